@@ -1,0 +1,11 @@
+"""swiglu-cupy: a fused SwiGLU feed-forward op for PyTorch with CuPy kernels.
+
+Layers: ``primitives`` (elementwise forward/backward, CUDA kernels + torch),
+``SwiGLUFunction`` (GEMMs + primitives, apply-only), and the API
+(``swiglu``, ``SwiGLU``).
+"""
+from ._version import __version__
+from .interface import SwiGLUFunction, swiglu, swiglu_reference
+from .module import SwiGLU
+
+__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference"]

@@ -1,0 +1,147 @@
+"""The one place where kernels are launched.
+
+Kernel code is reached through a *launcher*: ``launch(name, dtype, device,
+grid, block, args)``. The CuPy launcher runs on a GPU; the host launcher in
+``swiglu_cupy.testing.host_exec`` runs the same kernel source compiled by g++,
+so everything above this call (vector-width choice, grid, arguments) is the
+code the GPU runs, exercised in CI without a GPU.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from ._sources import compile_options, expanded_source, kernel_file_of
+
+INSTALL_HINT = "pip install 'swiglu-cupy[cuda12]' or 'swiglu-cupy[cuda13]'"
+
+
+class Launcher(Protocol):
+    def launch(self, name: str, dtype: torch.dtype, device: torch.device,
+               grid: tuple[int, int, int], block: tuple[int, int, int],
+               args: Sequence[object]) -> None: ...
+
+
+def pointer(t: torch.Tensor) -> np.uint64:
+    """A tensor's data pointer as a 64-bit kernel argument (no copy, no DLPack)."""
+    return np.uint64(t.data_ptr())
+
+
+def i64(value: int) -> np.int64:
+    """An integer kernel argument; numpy-typed so CuPy passes exactly 8 bytes."""
+    return np.int64(value)
+
+
+class CudaUnavailableError(RuntimeError):
+    """CuPy or NVRTC cannot be loaded, so CUDA kernels cannot run."""
+
+
+def import_cupy():
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # ImportError, or a CUDA library failing to load
+        raise CudaUnavailableError(
+            f"swiglu-cupy needs CuPy (>= 14.2) for CUDA tensors: {exc}. Fix: {INSTALL_HINT}"
+        ) from exc
+    return cupy
+
+
+class CupyLauncher:
+    """Compiles kernels with CuPy's RawModule (NVRTC) and launches them on
+    torch's current stream.
+
+    Functions are cached per (device, dtype, kernel); one RawModule is built per
+    (device, dtype, file). A lock makes concurrent first calls compile once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[int, torch.dtype, str], object] = {}
+        self._functions: dict[tuple[int, torch.dtype, str], object] = {}
+        self._streams: dict[tuple[int, int], object] = {}
+        self.compile_count = 0  # modules built; observable by tests and `info`
+
+    def function(self, name: str, dtype: torch.dtype, device_index: int):
+        key = (device_index, dtype, name)
+        fn = self._functions.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._functions.get(key)
+                if fn is None:
+                    fn = self._load(name, dtype, device_index)
+                    self._functions[key] = fn
+        return fn
+
+    def _load(self, name: str, dtype: torch.dtype, device_index: int):
+        cupy = import_cupy()
+        filename = kernel_file_of()[name]
+        module_key = (device_index, dtype, filename)
+        with cupy.cuda.Device(device_index):
+            module = self._modules.get(module_key)
+            if module is None:
+                module = cupy.RawModule(code=expanded_source(filename),
+                                        options=compile_options(dtype))
+                self._modules[module_key] = module
+                self.compile_count += 1
+            # .kernel compiles (or reads CuPy's disk cache) and loads the
+            # binary into this device's context.
+            return module.get_function(name).kernel
+
+    def _stream(self, device_index: int):
+        torch_stream = torch.cuda.current_stream(device_index)
+        key = (device_index, torch_stream.cuda_stream)
+        stream = self._streams.get(key)
+        if stream is None:
+            cupy = import_cupy()
+            stream = cupy.cuda.Stream.from_external(torch_stream)
+            self._streams[key] = stream
+        return stream
+
+    def launch(self, name, dtype, device, grid, block, args):
+        device_index = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self.function(name, dtype, device_index)
+        cupy = import_cupy()
+        with cupy.cuda.Device(device_index):
+            fn(grid, block, tuple(args), stream=self._stream(device_index))
+
+
+_cupy_launcher: CupyLauncher | None = None
+_cupy_launcher_lock = threading.Lock()
+_fallback_warned = False
+
+
+def strict_mode() -> bool:
+    return os.environ.get("SWIGLU_CUPY_STRICT", "") not in ("", "0")
+
+
+def cupy_launcher() -> CupyLauncher:
+    global _cupy_launcher
+    if _cupy_launcher is None:
+        with _cupy_launcher_lock:
+            if _cupy_launcher is None:
+                _cupy_launcher = CupyLauncher()
+    return _cupy_launcher
+
+
+def cuda_kernels_available() -> bool:
+    """True when CuPy imports; with SWIGLU_CUPY_STRICT=1 a missing CuPy raises."""
+    global _fallback_warned
+    try:
+        import_cupy()
+        return True
+    except CudaUnavailableError:
+        if strict_mode():
+            raise
+        if not _fallback_warned:
+            _fallback_warned = True
+            warnings.warn(
+                "swiglu-cupy: CuPy is not available, so CUDA tensors use the slower torch "
+                f"implementation of the elementwise step. Fix: {INSTALL_HINT}. "
+                "Set SWIGLU_CUPY_STRICT=1 to make this an error.",
+                RuntimeWarning, stacklevel=3)
+        return False

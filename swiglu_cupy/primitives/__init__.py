@@ -1,0 +1,84 @@
+"""Layer 1: the SwiGLU elementwise primitives.
+
+Contract (both implementations):
+
+``swiglu_forward(x12, out=None) -> h``
+    x12 is [M, 2H] with gate in columns :H and up in columns H:. Returns
+    h = silu(gate) * up as [M, H]. ``out`` may be given (any [M, H] view with
+    unit inner stride, including the gate half of x12 itself).
+
+``swiglu_backward(x12, dh, dx12_out=None) -> (dx12, h)``
+    One pass: dx12 = [dgate | dup] as [M, 2H] and the recomputed h as [M, H].
+    ``dx12_out`` may be x12 itself (in-place backward).
+
+Math runs in fp32 (fp64 for float64 storage) and every output is rounded to
+the storage dtype once. Supported dtypes: float16, bfloat16, float32, float64.
+
+CUDA tensors run the kernels in ``kernels_cu/`` (CuPy); other tensors run the
+torch implementation. ``implementation=`` forces one ("torch" or "kernels"),
+``launcher=`` substitutes the kernel launcher (the host-execution harness).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._launch import cuda_kernels_available
+from .._sources import SUPPORTED_DTYPES
+from . import kernels, reference_torch
+
+__all__ = ["swiglu_forward", "swiglu_backward"]
+
+
+def _check_x12(x12: torch.Tensor) -> int:
+    if not isinstance(x12, torch.Tensor):
+        raise TypeError(f"x12 must be a torch.Tensor, got {type(x12).__name__}")
+    if x12.dim() != 2:
+        raise ValueError(f"x12 must be 2-D [M, 2H], got shape {tuple(x12.shape)}")
+    if x12.shape[1] % 2:
+        raise ValueError(f"x12 must have an even number of columns [M, 2H], got {x12.shape[1]}")
+    if x12.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x12 dtype must be one of {SUPPORTED_DTYPES}, got {x12.dtype}")
+    return x12.shape[1] // 2
+
+
+def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype must match x12 ({ref.dtype}), got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on x12's device ({ref.device}), got {t.device}")
+
+
+def _use_kernels(x12: torch.Tensor, implementation: str | None, launcher) -> bool:
+    if implementation not in (None, "torch", "kernels"):
+        raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
+    if launcher is not None or implementation == "kernels":
+        return True
+    if implementation == "torch":
+        return False
+    return x12.is_cuda and cuda_kernels_available()
+
+
+def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
+                   implementation: str | None = None, launcher=None) -> torch.Tensor:
+    H = _check_x12(x12)
+    if out is not None:
+        _check_like("out", out, (x12.shape[0], H), x12)
+    if _use_kernels(x12, implementation, launcher):
+        return kernels.swiglu_forward(x12, out, launcher)
+    return reference_torch.swiglu_forward(x12, out)
+
+
+def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
+                    implementation: str | None = None, launcher=None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    H = _check_x12(x12)
+    _check_like("dh", dh, (x12.shape[0], H), x12)
+    if dx12_out is not None:
+        _check_like("dx12_out", dx12_out, tuple(x12.shape), x12)
+    if _use_kernels(x12, implementation, launcher):
+        return kernels.swiglu_backward(x12, dh, dx12_out, launcher)
+    return reference_torch.swiglu_backward(x12, dh, dx12_out)

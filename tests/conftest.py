@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from swiglu_cupy.testing.host_exec import HostLauncher
+
+DTYPES_ALL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def host_launcher():
+    """Runs the kernels_cu sources on the CPU (built once per session)."""
+    launcher = HostLauncher()
+    launcher.warm(DTYPES_ALL)
+    return launcher
+
+
+def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected||_rms / ||expected||_rms, in float64."""
+    a, e = actual.double(), expected.double()
+    return ((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-300)).item()
+
+
+def assert_nontrivial(grad: torch.Tensor, name: str) -> None:
+    assert grad is not None, f"{name}: gradient is None"
+    assert torch.isfinite(grad).all(), f"{name}: non-finite gradient"
+    assert grad.double().abs().max().item() > 0, f"{name}: gradient is all zeros"
+
+
+def swiglu_fp64_reference(x, w12, b12, w3, b3):
+    """Independent eager reference, computed in float64 from the given values."""
+    import torch.nn.functional as F
+
+    d = lambda t: None if t is None else t.detach().double()  # noqa: E731
+    H = w12.shape[0] // 2
+    x12 = F.linear(d(x), d(w12), d(b12))
+    h = F.silu(x12[..., :H]) * x12[..., H:]
+    return F.linear(h, d(w3), d(b3))
+
+
+# Half an ulp at 1.0 for each storage dtype (one rounding, relative).
+UNIT_ROUNDOFF = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24, torch.float64: 2**-53}
+
+
+def elementwise_error_bounds(x12: torch.Tensor, dh: torch.Tensor, exact_h, exact_dx12):
+    """Per-element error bounds for h and dx12 of a single-rounding
+    implementation: one storage ulp of the exact value, plus a few ulps of the
+    math dtype (fp32, or fp64 for float64) times the size of the terms, since
+    dgate = dh*u*s*(1 + g*(1-s)) cancels near g = -1.28."""
+    dtype = x12.dtype
+    ulp = 2 * UNIT_ROUNDOFF[dtype]
+    math_eps = 8 * UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+    g, u = x12.double().chunk(2, dim=1)
+    d = dh.double()
+    tiny = torch.finfo(dtype).tiny
+    h_terms = (g * u).abs()
+    dx12_terms = torch.cat([(d * u).abs() * (1 + g.abs()), (d * g).abs()], dim=1)
+    h_bound = exact_h.double().abs() * ulp + h_terms * math_eps + tiny
+    dx12_bound = exact_dx12.double().abs() * ulp + dx12_terms * math_eps + tiny
+    return h_bound, dx12_bound
