@@ -134,9 +134,11 @@ def cuda_kernels_available() -> bool:
     try:
         import_cupy()
         return True
-    except CudaUnavailableError:
+    except CudaUnavailableError as exc:
         if strict_mode():
-            raise
+            raise CudaUnavailableError(
+                f"SWIGLU_CUPY_STRICT is set and CUDA kernels are unavailable ({exc}). "
+                f"Fix: {INSTALL_HINT}") from exc
         if not _fallback_warned:
             _fallback_warned = True
             warnings.warn(

@@ -1,0 +1,42 @@
+"""Command line: ``python -m swiglu_cupy compile [--arch sm_80 sm_90 ...]``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _cmd_compile(args: argparse.Namespace) -> int:
+    from .compile_check import CompileError, compile_matrix, format_table
+
+    start = time.perf_counter()
+    try:
+        reports = compile_matrix(archs=args.arch)
+    except CompileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    elapsed = time.perf_counter() - start
+    print(format_table(reports))
+    spilled = [r for r in reports if r.spills]
+    print(f"\ncompiled {len(reports)} kernels for {', '.join(args.arch)} in {elapsed:.2f} s "
+          f"(NVRTC, no GPU needed); spills: {len(spilled)}")
+    for r in spilled:
+        print(f"SPILL: {r.kernel} [{r.dtype}, {r.arch}] stores={r.spill_store_bytes} "
+              f"loads={r.spill_load_bytes}", file=sys.stderr)
+    return 1 if spilled else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m swiglu_cupy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    comp = sub.add_parser("compile", help="compile every kernel x dtype with NVRTC (no GPU needed), "
+                                          "report registers and spills; exit 1 on spills")
+    comp.add_argument("--arch", nargs="+", default=["sm_80", "sm_90", "sm_100"],
+                      help="GPU architectures, e.g. sm_80 sm_90 sm_100")
+    comp.set_defaults(func=_cmd_compile)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,192 @@
+"""Layers 2-3: SwiGLUFunction, swiglu() and the reference, on the CPU path."""
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import swiglu_cupy as sc
+from conftest import assert_nontrivial, rel_rms, swiglu_fp64_reference
+
+# Relative RMS error bounds against a float64 reference computed from the same
+# (rounded) inputs. fp32: GEMM accumulation over K <= 96 plus a few roundings,
+# ~16 units of 2^-24. bf16: the x12, h and y roundings (2^-9 each) add up to
+# about one unit of 2^-8; we allow two. Measured: fp32 ~3e-7, bf16 ~3.8e-3.
+REL_RMS_BOUND = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 8e-3}
+D, H, O = 64, 96, 48
+
+
+def _params(dtype, bias12, bias3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    mk = lambda *s: (torch.randn(*s, generator=gen, dtype=torch.float64) / s[-1] ** 0.5).to(dtype)  # noqa: E731
+    w12 = mk(2 * H, D)
+    b12 = torch.randn(2 * H, generator=gen, dtype=torch.float64).to(dtype) if bias12 else None
+    w3 = mk(O, H)
+    b3 = torch.randn(O, generator=gen, dtype=torch.float64).to(dtype) if bias3 else None
+    return [w12, b12, w3, b3]
+
+
+def _leaves(tensors):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _run(fn, x, params, dy):
+    x, params = _leaves([x])[0], _leaves(params)
+    y = fn(x, *params)
+    y.backward(dy)
+    return y, [x.grad] + [None if p is None else p.grad for p in params]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias12,bias3", [(True, True), (False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("lead", [(37,), (3, 11)], ids=["2d", "3d"])
+def test_functional_parity_with_float64_reference(dtype, bias12, bias3, lead):
+    torch.manual_seed(1)
+    x = torch.randn(*lead, D, dtype=torch.float64).to(dtype)
+    params = _params(dtype, bias12, bias3)
+    dy = torch.randn(*lead, O, dtype=torch.float64).to(dtype)
+
+    y, grads = _run(sc.swiglu, x, params, dy)
+    y_ref, grads_ref = _run(swiglu_fp64_reference_autograd, x.double(), [None if p is None else p.double() for p in params], dy.double())
+    assert y.dtype == dtype and y.shape == (*lead, O)
+    bound = REL_RMS_BOUND[dtype]
+    assert rel_rms(y, y_ref) < bound
+    names = ["x", "w12", "b12", "w3", "b3"]
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        if g_ref is None:
+            assert g is None
+            continue
+        assert_nontrivial(g, name)
+        assert g.dtype == dtype and g.shape == g_ref.shape
+        assert rel_rms(g, g_ref) < bound, name
+
+    if dtype == torch.bfloat16:
+        # Single rounding: never less accurate than eager bf16 (double rounding).
+        y_eager, grads_eager = _run(sc.swiglu_reference, x, params, dy)
+        assert rel_rms(y, y_ref) <= 1.1 * rel_rms(y_eager, y_ref)
+        for g, g_e, g_ref in zip(grads, grads_eager, grads_ref):
+            if g_ref is not None:
+                assert rel_rms(g, g_ref) <= 1.1 * rel_rms(g_e, g_ref)
+
+
+def swiglu_fp64_reference_autograd(x, w12, b12, w3, b3):
+    """Independent eager reference: F.linear + F.silu, autograd for gradients."""
+    gate = F.linear(x, w12[:H], None if b12 is None else b12[:H])
+    up = F.linear(x, w12[H:], None if b12 is None else b12[H:])
+    return F.linear(F.silu(gate) * up, w3, b3)
+
+
+def test_reference_helper_agrees_with_autograd_reference():
+    x = torch.randn(5, D, dtype=torch.float64)
+    params = _params(torch.float64, True, True)
+    assert torch.allclose(swiglu_fp64_reference(x, *params), swiglu_fp64_reference_autograd(x, *params))
+    assert torch.allclose(sc.swiglu_reference(x, *params), swiglu_fp64_reference_autograd(x, *params))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradcheck_float64(bias):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    w12 = torch.randn(10, 6, dtype=torch.float64, requires_grad=True)
+    b12 = torch.randn(10, dtype=torch.float64, requires_grad=True) if bias else None
+    w3 = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    b3 = torch.randn(4, dtype=torch.float64, requires_grad=True) if bias else None
+    assert torch.autograd.gradcheck(sc.swiglu, (x, w12, b12, w3, b3))
+
+
+def test_output_is_not_a_view_and_has_input_layout():
+    x = torch.randn(2, 3, D)
+    y = sc.swiglu(x, *_params(torch.float32, True, True))
+    assert not y._is_view()
+    assert y.shape == (2, 3, O) and y.is_contiguous()
+    x.requires_grad_(True)
+    y = sc.swiglu(x, *_params(torch.float32, True, True))
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_non_contiguous_input():
+    base = torch.randn(D, 10, dtype=torch.float64)
+    x = base.t()  # [10, D], transposed
+    params = _params(torch.float64, True, True)
+    assert torch.allclose(sc.swiglu(x, *params), swiglu_fp64_reference(x, *params), rtol=1e-12, atol=1e-12)
+
+
+def test_only_requested_gradients_are_computed():
+    x = torch.randn(4, D)
+    w12, b12, w3, b3 = _params(torch.float32, True, True)
+    w3.requires_grad_(True)
+    sc.swiglu(x, w12, b12, w3, b3).sum().backward()
+    assert_nontrivial(w3.grad, "w3")
+    assert w12.grad is None and x.grad is None
+
+
+def test_function_is_only_called_through_apply():
+    """No code in the package calls SwiGLUFunction.forward directly."""
+    package = Path(sc.__file__).parent
+    offenders = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "forward":
+                if isinstance(node.value, ast.Name) and node.value.id == "SwiGLUFunction":
+                    offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []
+    x = torch.randn(3, D, requires_grad=True)
+    y = sc.swiglu(x, *_params(torch.float32, True, True))
+    assert type(y.grad_fn).__name__ == "SwiGLUFunctionBackward"
+
+
+def test_saved_tensors_do_not_depend_on_requires_grad():
+    """The forward saves the same tensors (x, w12, w3, x12; never h) whether or
+    not x requires grad: the property non-reentrant checkpointing relies on."""
+    def saved_shapes(x_requires_grad):
+        shapes = []
+        x = torch.randn(5, D, requires_grad=x_requires_grad)
+        params = _leaves(_params(torch.float32, True, True))
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+            sc.swiglu(x, *params)
+        return shapes
+
+    expected = [(5, D), (2 * H, D), (O, H), (5, 2 * H)]
+    assert saved_shapes(True) == expected
+    assert saved_shapes(False) == expected
+
+
+def test_autocast_cpu_bf16_computes_in_bf16_with_param_dtype_grads():
+    torch.manual_seed(0)
+    x = torch.randn(6, D, requires_grad=True)
+    params = _leaves(_params(torch.float32, True, True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = sc.swiglu(x, *params)
+        y_lin = F.linear(x, params[0])
+    assert y.dtype == y_lin.dtype == torch.bfloat16
+    y.float().sum().backward()
+    for p in [x] + params:
+        assert p.grad.dtype == torch.float32
+        assert_nontrivial(p.grad, "autocast grad")
+    ref = swiglu_fp64_reference(x, *params)
+    assert rel_rms(y, ref) < 2e-2  # bf16 inputs, weights and outputs
+
+
+@pytest.mark.parametrize("args,error,match", [
+    (lambda p: ("x", *p), TypeError, "x must be a torch.Tensor"),
+    (lambda p: (torch.randn(4, D), None, *p[1:]), TypeError, "w12 must be a torch.Tensor"),
+    (lambda p: (torch.randn(4, D), p[0], 3.0, *p[2:]), TypeError, "b12 must be a torch.Tensor or None"),
+    (lambda p: (torch.randn(4, D + 1), *p), ValueError, "w12 must be \\[2H, D\\] with D = x.shape\\[-1\\]"),
+    (lambda p: (torch.randn(()), *p), ValueError, "x must have shape"),
+    (lambda p: (torch.randn(4, D), p[0][:-1], None, p[2], p[3]), ValueError, "w12 must have 2H rows"),
+    (lambda p: (torch.randn(4, D), p[0][None], *p[1:]), ValueError, "w12 must be 2-D"),
+    (lambda p: (torch.randn(4, D), p[0], p[1][:-2], *p[2:]), ValueError, "b12 must have shape"),
+    (lambda p: (torch.randn(4, D), p[0], p[1], p[2][:, :-1], p[3]), ValueError, "w3 must be 2-D \\[O, H\\]"),
+    (lambda p: (torch.randn(4, D), *p[:3], p[3][:-1]), ValueError, "b3 must have shape"),
+    (lambda p: (torch.randn(4, D, dtype=torch.float64), *p), TypeError, "w12 must have the same dtype"),
+    (lambda p: (torch.ones(4, D, dtype=torch.int64), *p), TypeError, "x must be a floating tensor"),
+    (lambda p: (torch.randn(4, D), p[0].bool(), *p[1:]), TypeError, "w12 must be a floating tensor"),
+    (lambda p: (torch.randn(4, D, dtype=torch.complex64), *p), TypeError, "x must be a floating tensor"),
+    (lambda p: (torch.randn(4, D, device="meta"), *p), ValueError, "w12 must have the same device"),
+])
+def test_bad_input_is_rejected_with_the_argument_named(args, error, match):
+    params = _params(torch.float32, True, True)
+    with pytest.raises(error, match=match):
+        sc.swiglu(*args(params))

@@ -1,0 +1,119 @@
+"""The CuPy launcher's caching, locking and fallback, without a GPU."""
+import threading
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from swiglu_cupy import _launch, primitives
+
+
+def test_concurrent_first_calls_compile_once(monkeypatch):
+    launcher = _launch.CupyLauncher()
+    loads = []
+
+    def slow_load(name, dtype, device_index):
+        loads.append((name, dtype, device_index))
+        time.sleep(0.05)
+        return object()
+
+    monkeypatch.setattr(launcher, "_load", slow_load)
+    barrier = threading.Barrier(8)
+    results = []
+
+    def first_call():
+        barrier.wait()
+        results.append(launcher.function("swiglu_forward_vec", torch.bfloat16, 0))
+
+    threads = [threading.Thread(target=first_call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert loads == [("swiglu_forward_vec", torch.bfloat16, 0)]
+    assert len({id(r) for r in results}) == 1
+    launcher.function("swiglu_forward_vec", torch.float16, 0)  # another dtype: its own entry
+    assert len(loads) == 2
+
+
+class _FakeCupy:
+    """Records what the launcher asks of CuPy (the real one needs a driver)."""
+
+    def __init__(self):
+        self.calls = []
+        fake = self
+
+        class Device:
+            def __init__(self, index):
+                self.index = index
+
+            def __enter__(self):
+                fake.calls.append(("device", self.index))
+
+            def __exit__(self, *exc):
+                return False
+
+        class RawModule:
+            def __init__(self, code, options):
+                fake.calls.append(("module", options))
+
+            def get_function(self, name):
+                kernel = lambda grid, block, args, stream=None: fake.calls.append(("launch", name, grid, block, args, stream))  # noqa: E731
+                return types.SimpleNamespace(kernel=kernel)
+
+        class Stream:
+            @staticmethod
+            def from_external(obj):
+                fake.calls.append(("stream", obj))
+                return types.SimpleNamespace(ptr=obj.cuda_stream)
+
+        self.RawModule = RawModule
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream)
+
+
+def test_launch_uses_current_torch_stream_and_device(monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    torch_stream = types.SimpleNamespace(cuda_stream=1234)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: torch_stream)
+    launcher = _launch.CupyLauncher()
+    args = [np.uint64(16), np.int64(3)]
+    for _ in range(2):
+        launcher.launch("swiglu_backward_scalar", torch.float32, torch.device("cuda", 1), (1, 2, 1), (32, 8, 1), args)
+    kinds = [c[0] for c in fake.calls]
+    assert kinds.count("module") == 1 and kinds.count("stream") == 1 and kinds.count("launch") == 2
+    assert launcher.compile_count == 1
+    launch = [c for c in fake.calls if c[0] == "launch"][-1]
+    assert launch[1:5] == ("swiglu_backward_scalar", (1, 2, 1), (32, 8, 1), tuple(args))
+    assert launch[5].ptr == 1234
+    assert ("device", 1) in fake.calls
+    assert ("module", ("--std=c++17", "-DSWIGLU_SCALAR=float")) in fake.calls
+
+
+def test_missing_cupy_falls_back_with_one_warning_naming_the_fix(monkeypatch):
+    def no_cupy():
+        raise _launch.CudaUnavailableError("no module named cupy")
+
+    monkeypatch.setattr(_launch, "import_cupy", no_cupy)
+    monkeypatch.setattr(_launch, "_fallback_warned", False)
+    monkeypatch.delenv("SWIGLU_CUPY_STRICT", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"swiglu-cupy\[cuda12\]"):
+        assert _launch.cuda_kernels_available() is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _launch.cuda_kernels_available() is False  # warned once only
+    monkeypatch.setenv("SWIGLU_CUPY_STRICT", "1")
+    with pytest.raises(_launch.CudaUnavailableError, match="cuda13"):
+        _launch.cuda_kernels_available()
+
+
+def test_cpu_tensors_never_touch_cupy(monkeypatch):
+    def boom():
+        raise AssertionError("CuPy imported for a CPU tensor")
+
+    monkeypatch.setattr(_launch, "import_cupy", boom)
+    x12 = torch.randn(3, 8)
+    assert primitives.swiglu_forward(x12).shape == (3, 4)
