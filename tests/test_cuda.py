@@ -1,0 +1,96 @@
+"""GPU tests: the CuPy kernels against the torch implementation and the fp64
+reference, on a non-default stream, plus checkpointing on CUDA. Skipped
+without a GPU (their CPU counterparts: test_host_exec, test_compile_check,
+test_checkpoint)."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import swiglu_cupy as sc
+from swiglu_cupy import _launch, primitives
+from conftest import assert_nontrivial, elementwise_error_bounds, rel_rms, swiglu_fp64_reference
+
+pytestmark = pytest.mark.gpu
+CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("M,H", [(1, 1), (3, 7), (64, 11008 // 8), (257, 1001), (4096, 64)])
+def test_kernels_match_torch_on_a_side_stream(dtype, M, H):
+    torch.manual_seed(M + H)
+    x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(dtype)
+    dh = torch.randn(M, H, device="cuda").to(dtype)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        h = primitives.swiglu_forward(x12, implementation="kernels")
+        dx12, h_bwd = primitives.swiglu_backward(x12, dh, implementation="kernels")
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    ref_dx12, ref_h = primitives.swiglu_backward(x12.cpu(), dh.cpu(), implementation="torch")
+    h_bound, dx12_bound = elementwise_error_bounds(x12.cpu(), dh.cpu(), ref_h, ref_dx12)
+    # -ftz and the GPU's expf may differ from the CPU in the last fp32 bit.
+    assert ((h.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()
+    assert ((h_bwd.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()
+    assert ((dx12.cpu().double() - ref_dx12.double()).abs() <= 2 * dx12_bound).all()
+
+
+def test_misaligned_input_takes_the_scalar_path_correctly():
+    H = 64
+    storage = torch.randn(5 * 2 * H + 1, device="cuda").to(torch.bfloat16)
+    x12 = storage[1:].view(5, 2 * H)
+    h = primitives.swiglu_forward(x12, implementation="kernels")
+    ref = primitives.swiglu_forward(x12.cpu(), implementation="torch")
+    assert rel_rms(h.cpu(), ref) < 2**-8
+
+
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("lead", [(8, 33), (129,)])
+def test_function_parity_on_cuda(dtype, lead):
+    torch.manual_seed(0)
+    m = sc.SwiGLU(256, 688, 128, device="cuda", dtype=dtype)
+    x = torch.randn(*lead, 256, device="cuda", dtype=dtype, requires_grad=True)
+    y = m(x)
+    y.float().pow(2).mean().backward()
+    ref = swiglu_fp64_reference(x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)
+    assert rel_rms(y, ref) < {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}[dtype]
+    # Gradients against the fp64 autograd reference.
+    xr = x.detach().double().requires_grad_(True)
+    pr = [p.detach().double().requires_grad_(True) for p in m.parameters()]
+    sc.swiglu_reference(xr, *pr).float().pow(2).mean().backward()
+    bound = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    for g, r in zip([x.grad] + [p.grad for p in m.parameters()], [xr.grad] + [p.grad for p in pr]):
+        assert_nontrivial(g, "grad")
+        assert rel_rms(g, r) < bound
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("x_requires_grad", [False, True])
+def test_checkpoint_on_cuda(use_reentrant, x_requires_grad):
+    if use_reentrant and not x_requires_grad:
+        x_requires_grad = True  # torch's reentrant rule (see test_checkpoint.py)
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(sc.SwiGLU(64, 96, device="cuda") for _ in range(3))
+    x = torch.randn(4, 16, 64, device="cuda", requires_grad=x_requires_grad)
+
+    def run(ckpt):
+        blocks.zero_grad(set_to_none=True)
+        h = x
+        for b in blocks:
+            h = h + (checkpoint(b, h, use_reentrant=use_reentrant) if ckpt else b(h))
+        h.pow(2).mean().backward()
+        return [p.grad.clone() for p in blocks.parameters()]
+
+    for g, g_ref in zip(run(True), run(False)):
+        assert_nontrivial(g_ref, "grad")
+        assert torch.equal(g, g_ref)
+
+
+def test_kernels_are_used_on_cuda():
+    assert _launch.cuda_kernels_available()
+    x = torch.randn(4, 32, device="cuda")
+    m = sc.SwiGLU(32, 64, device="cuda")
+    before = _launch.cupy_launcher().compile_count
+    m(x)
+    assert _launch.cupy_launcher().compile_count >= before
+    assert any(key[2].startswith("swiglu_forward") for key in _launch.cupy_launcher()._functions)
