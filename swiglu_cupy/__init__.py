@@ -4,8 +4,9 @@ Layers: ``primitives`` (elementwise forward/backward, CUDA kernels + torch),
 ``SwiGLUFunction`` (GEMMs + primitives, apply-only), and the API
 (``swiglu``, ``SwiGLU``).
 """
+from ._launch import warmup
 from ._version import __version__
 from .interface import SwiGLUFunction, swiglu, swiglu_reference
 from .module import SwiGLU
 
-__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference"]
+__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference", "warmup"]

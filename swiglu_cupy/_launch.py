@@ -51,6 +51,16 @@ def import_cupy():
     return cupy
 
 
+class _StreamHandle:
+    """A raw cudaStream_t exposed through the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 class CupyLauncher:
     """Compiles kernels with CuPy's RawModule (NVRTC) and launches them on
     torch's current stream.
@@ -93,12 +103,13 @@ class CupyLauncher:
             return module.get_function(name).kernel
 
     def _stream(self, device_index: int):
-        torch_stream = torch.cuda.current_stream(device_index)
-        key = (device_index, torch_stream.cuda_stream)
+        """CuPy's view of torch's current stream (looked up at every call:
+        checkpointing, side streams and graph capture change it)."""
+        handle = torch.cuda.current_stream(device_index).cuda_stream
+        key = (device_index, handle)
         stream = self._streams.get(key)
         if stream is None:
-            cupy = import_cupy()
-            stream = cupy.cuda.Stream.from_external(torch_stream)
+            stream = import_cupy().cuda.Stream.from_external(_StreamHandle(handle))
             self._streams[key] = stream
         return stream
 
@@ -147,3 +158,23 @@ def cuda_kernels_available() -> bool:
                 "Set SWIGLU_CUPY_STRICT=1 to make this an error.",
                 RuntimeWarning, stacklevel=3)
         return False
+
+
+def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> int:
+    """Compile and load every kernel for ``device`` and ``dtypes`` now, e.g.
+    before CUDA graph capture (no module may load during capture). Returns
+    the number of kernels ready."""
+    from ._sources import kernel_file_of
+
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    launcher = cupy_launcher()
+    count = 0
+    for dtype in dtypes:
+        for name in kernel_file_of():
+            launcher.function(name, dtype, index)
+            count += 1
+    launcher._stream(index)
+    return count

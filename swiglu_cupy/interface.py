@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from . import primitives
+from . import ops
 from ._sources import SUPPORTED_DTYPES
 
 __all__ = ["SwiGLUFunction", "swiglu", "swiglu_reference"]
@@ -35,30 +35,65 @@ def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """Fused SwiGLU: 3 GEMMs forward, 4 GEMMs + one elementwise pass backward."""
+    """Fused SwiGLU: 3 GEMMs forward, 4 GEMMs + one elementwise pass backward.
+
+    ``apply(x, w12, b12, w3, b3, recompute_gate_up=False, inplace_backward=False,
+    inference=False)`` (positional):
+    - ``recompute_gate_up``: save only x and recompute x12 in backward (one
+      extra GEMM, D instead of D + 2H saved elements per token).
+    - ``inplace_backward``: write dx12 over the saved x12 (one [M, 2H] buffer
+      less); the graph can then be backpropagated only once.
+    - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
+    With grad disabled (no_grad / inference_mode) h is written over the gate
+    half of x12 and the down projection reads that strided view: nothing is
+    allocated besides x12 and the output, and nothing is saved.
+    """
 
     @staticmethod
-    def forward(ctx, x, w12, b12, w3, b3):
-        D, H, O = x.shape[-1], w12.shape[0] // 2, w3.shape[0]
+    def forward(ctx, x, w12, b12, w3, b3, recompute_gate_up=False, inplace_backward=False,
+                inference=False):
+        D, O = x.shape[-1], w3.shape[0]
         x2d = x.reshape(-1, D)
         x12 = _linear_2d(x2d, w12, b12)                       # [M, 2H]
-        h = primitives.swiglu_forward(x12)                     # [M, H]
+        # `inference` comes from the caller's grad mode (forward itself runs
+        # without grad), never from requires_grad: checkpoint recomputes, which
+        # run with grad enabled, always take the saving path.
+        h = ops.forward_inplace(x12) if inference else ops.forward(x12)
         # Allocate y in its final shape so the output is not a view.
         y = torch.empty((*x.shape[:-1], O), dtype=x12.dtype, device=x.device)
         _linear_2d(h, w3, b3, out=y.view(-1, O))
-        ctx.save_for_backward(x2d, w12, w3, x12)
+        if inference:
+            return y  # no graph is recorded, so nothing can be saved
+        if recompute_gate_up:
+            ctx.save_for_backward(x2d, w12, b12, w3)
+        else:
+            ctx.save_for_backward(x2d, w12, w3, x12)
         ctx.x_shape = x.shape
-        ctx.hidden = H
+        ctx.recompute_gate_up = recompute_gate_up
+        ctx.inplace_backward = inplace_backward
+        ctx.backward_done = False
         return y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy):
-        x2d, w12, w3, x12 = ctx.saved_tensors
-        need_x, need_w12, need_b12, need_w3, need_b3 = ctx.needs_input_grad
+    def backward(ctx, dy, *_):
+        if ctx.inplace_backward and ctx.backward_done:
+            raise RuntimeError(
+                "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
+                "backward overwrote the saved x12; a second backward (retain_graph=True) "
+                "cannot run. Use inplace_backward=False to backpropagate more than once.")
+        ctx.backward_done = True
+        if ctx.recompute_gate_up:
+            x2d, w12, b12, w3 = ctx.saved_tensors
+            x12 = _linear_2d(x2d, w12, b12)                    # extra GEMM
+        else:
+            x2d, w12, w3, x12 = ctx.saved_tensors
+        need_x, need_w12, need_b12, need_w3, need_b3 = ctx.needs_input_grad[:5]
         dy2d = dy.reshape(-1, w3.shape[0])
         dh = torch.mm(dy2d, w3)                                 # GEMM 1
-        dx12, h = primitives.swiglu_backward(x12, dh)          # one fused pass
+        # In-place reuse is always safe for the recomputed x12 (nobody else holds it).
+        inplace = ctx.inplace_backward or ctx.recompute_gate_up
+        dx12, h = ops.backward(x12, dh, inplace)                # one fused pass
         dx = dw12 = db12 = dw3 = db3 = None
         if need_x:
             dx = torch.empty(ctx.x_shape, dtype=dx12.dtype, device=dx12.device)
@@ -71,7 +106,7 @@ class SwiGLUFunction(torch.autograd.Function):
             dw3 = torch.mm(dy2d.t(), h)                         # GEMM 4
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw12, db12, dw3, db3
+        return dx, dw12, db12, dw3, db3, None, None, None
 
 
 def _check_tensor(name: str, t, optional: bool = False) -> None:
@@ -114,10 +149,12 @@ def _check_same(tensors: dict, attr: str, error) -> None:
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
-           w3: torch.Tensor, b3: torch.Tensor | None) -> torch.Tensor:
+           w3: torch.Tensor, b3: torch.Tensor | None, *,
+           recompute_gate_up: bool = False, inplace_backward: bool = False) -> torch.Tensor:
     """Fused SwiGLU feed-forward: returns [..., O] (layout in the module doc).
 
-    Under ``torch.autocast`` the inputs are cast to the autocast dtype (as
+    ``recompute_gate_up`` and ``inplace_backward`` are the memory modes of
+    ``SwiGLUFunction``. Under ``torch.autocast`` the inputs are cast to the autocast dtype (as
     ``nn.Linear`` does), and the gradients flow back in each input's dtype.
     """
     tensors = {"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}
@@ -125,14 +162,18 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
         _check_tensor(name, t, optional=name in ("b12", "b3"))
     _check_same(tensors, "device", ValueError)
     _check_shapes(x, w12, b12, w3, b3)
+    for name, flag in (("recompute_gate_up", recompute_gate_up), ("inplace_backward", inplace_backward)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    modes = (recompute_gate_up, inplace_backward, not torch.is_grad_enabled())
     device_type = x.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        cast = {k: (None if t is None else t.to(dtype)) for k, t in tensors.items()}
+        cast = [None if t is None else t.to(dtype) for t in tensors.values()]
         with torch.autocast(device_type=device_type, enabled=False):
-            return SwiGLUFunction.apply(*cast.values())
+            return SwiGLUFunction.apply(*cast, *modes)
     _check_same(tensors, "dtype", TypeError)
-    return SwiGLUFunction.apply(x, w12, b12, w3, b3)
+    return SwiGLUFunction.apply(x, w12, b12, w3, b3, *modes)
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,

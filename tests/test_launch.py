@@ -67,8 +67,9 @@ class _FakeCupy:
         class Stream:
             @staticmethod
             def from_external(obj):
-                fake.calls.append(("stream", obj))
-                return types.SimpleNamespace(ptr=obj.cuda_stream)
+                version, handle = obj.__cuda_stream__()
+                fake.calls.append(("stream", version, handle))
+                return types.SimpleNamespace(ptr=handle)
 
         self.RawModule = RawModule
         self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream)
@@ -117,3 +118,14 @@ def test_cpu_tensors_never_touch_cupy(monkeypatch):
     monkeypatch.setattr(_launch, "import_cupy", boom)
     x12 = torch.randn(3, 8)
     assert primitives.swiglu_forward(x12).shape == (3, 4)
+
+
+def test_warmup_loads_every_kernel_before_capture(monkeypatch):
+    fake = _FakeCupy()
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    monkeypatch.setattr(_launch, "_cupy_launcher", _launch.CupyLauncher())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=7))
+    assert _launch.warmup("cuda:0", dtypes=(torch.bfloat16, torch.float32)) == 8
+    assert _launch.cupy_launcher().compile_count == 4  # 2 files x 2 dtypes
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        _launch.warmup("cpu")

@@ -1,0 +1,72 @@
+"""The registered custom ops (torch.compile's view of the primitives) and
+torch.compile of models using SwiGLU."""
+import pytest
+import torch
+
+import swiglu_cupy as sc
+from swiglu_cupy import ops
+from conftest import assert_nontrivial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_custom_ops(dtype):
+    x12 = torch.randn(5, 14).to(dtype)
+    dh = torch.randn(5, 7).to(dtype)
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_forward.default, (x12,))
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_backward.default, (x12, dh))
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_forward_inplace.default, (x12.clone(),))
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_backward_inplace.default, (x12.clone(), dh))
+
+
+def test_ops_match_the_primitives():
+    from swiglu_cupy import primitives
+
+    x12 = torch.randn(6, 10)
+    dh = torch.randn(6, 5)
+    assert torch.equal(torch.ops.swiglu_cupy.swiglu_forward(x12), primitives.swiglu_forward(x12))
+    dx12, h = torch.ops.swiglu_cupy.swiglu_backward(x12, dh)
+    ref_dx12, ref_h = primitives.swiglu_backward(x12, dh)
+    assert torch.equal(dx12, ref_dx12) and torch.equal(h, ref_h)
+    work = x12.clone()
+    h_view = ops.forward_inplace(work)
+    assert h_view.data_ptr() == work.data_ptr() and torch.equal(h_view, ref_h)
+
+
+def _model(**kw):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(sc.SwiGLU(16, 24, **kw), sc.SwiGLU(16, 24, **kw))
+
+
+def test_torch_compile_fullgraph_no_graph_breaks_matches_eager():
+    model = _model()
+    x = torch.randn(3, 4, 16, requires_grad=True)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+    compiled = torch.compile(model, fullgraph=True)
+    y = compiled(x)
+    y.pow(2).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    y_eager = model(x)
+    y_eager.pow(2).sum().backward()
+    grads_eager = [x.grad] + [p.grad for p in model.parameters()]
+    torch.testing.assert_close(y, y_eager, rtol=1e-6, atol=1e-6)  # same fp32 ops, maybe fused differently
+    for g, g_ref in zip(grads, grads_eager):
+        assert_nontrivial(g, "compiled grad")
+        torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), y_eager, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_compile_memory_modes():
+    model = _model(recompute_gate_up=True, inplace_backward=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    _model()(x).sum().backward()
+    torch.testing.assert_close(g, x.grad, rtol=1e-6, atol=1e-6)
