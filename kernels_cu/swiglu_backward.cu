@@ -11,18 +11,16 @@ template <int N>
 __device__ __forceinline__ void swiglu_backward_rows(
     const scalar_t* x12, const scalar_t* dh, scalar_t* dx12, scalar_t* h,
     index_t M, index_t H, index_t ld_x12, index_t ld_dh, index_t ld_dx12, index_t ld_h) {
-    const index_t col = ((index_t)blockIdx.x * blockDim.x + threadIdx.x) * N;
+    const index_t col = pack_column<N>();
     if (col >= H) return;
     SWIGLU_FOR_EACH_ROW(row) {
-        const scalar_t* gate = x12 + row * ld_x12 + col;
-        const Pack<N> g = load_pack<N>(gate);
-        const Pack<N> u = load_pack<N>(gate + H);
+        const GateUp<N> in = load_gate_up<N>(x12, row, col, ld_x12, H);
         const Pack<N> dout = load_pack<N>(dh + row * ld_dh + col);
         Pack<N> dg, du, hv;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const acc_t gi = to_acc(g.v[i]);
-            const acc_t ui = to_acc(u.v[i]);
+            const acc_t gi = to_acc(in.gate.v[i]);
+            const acc_t ui = to_acc(in.up.v[i]);
             const acc_t di = to_acc(dout.v[i]);
             const acc_t s = sigmoid_acc(gi);
             const acc_t silu = gi * s;

@@ -60,3 +60,17 @@ template <int N> __device__ __forceinline__ void store_pack(scalar_t* p, const P
 #define SWIGLU_FOR_EACH_ROW(row)                                              \
     for (index_t row = (index_t)blockIdx.y * blockDim.y + threadIdx.y; row < M; \
          row += (index_t)gridDim.y * blockDim.y)
+
+// First column of this thread's pack (x covers the packs of one row).
+template <int N> __device__ __forceinline__ index_t pack_column() {
+    return ((index_t)blockIdx.x * blockDim.x + threadIdx.x) * N;
+}
+
+template <int N> struct GateUp { Pack<N> gate, up; };
+
+// The gate and up packs of one row, read from the packed x12 in place.
+template <int N> __device__ __forceinline__ GateUp<N> load_gate_up(
+    const scalar_t* x12, index_t row, index_t col, index_t ld_x12, index_t H) {
+    const scalar_t* gate = x12 + row * ld_x12 + col;
+    return GateUp<N>{load_pack<N>(gate), load_pack<N>(gate + H)};
+}

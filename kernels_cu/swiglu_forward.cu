@@ -8,17 +8,15 @@
 template <int N>
 __device__ __forceinline__ void swiglu_forward_rows(
     const scalar_t* x12, scalar_t* h, index_t M, index_t H, index_t ld_x12, index_t ld_h) {
-    const index_t col = ((index_t)blockIdx.x * blockDim.x + threadIdx.x) * N;
+    const index_t col = pack_column<N>();
     if (col >= H) return;
     SWIGLU_FOR_EACH_ROW(row) {
-        const scalar_t* gate = x12 + row * ld_x12 + col;
-        const Pack<N> g = load_pack<N>(gate);
-        const Pack<N> u = load_pack<N>(gate + H);
+        const GateUp<N> in = load_gate_up<N>(x12, row, col, ld_x12, H);
         Pack<N> out;
 #pragma unroll
         for (int i = 0; i < N; ++i) {
-            const acc_t gi = to_acc(g.v[i]);
-            out.v[i] = from_acc<scalar_t>(gi * sigmoid_acc(gi) * to_acc(u.v[i]));
+            const acc_t gi = to_acc(in.gate.v[i]);
+            out.v[i] = from_acc<scalar_t>(gi * sigmoid_acc(gi) * to_acc(in.up.v[i]));
         }
         store_pack<N>(h + row * ld_h + col, out);
     }
