@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from ._sources import compile_options, expanded_source, kernel_file_of
+from ._sources import compile_options, kernel_names, module_source
 
 INSTALL_HINT = "pip install 'swiglu-cupy[cuda12]' or 'swiglu-cupy[cuda13]'"
 
@@ -66,12 +66,12 @@ class CupyLauncher:
     torch's current stream.
 
     Functions are cached per (device, dtype, kernel); one RawModule is built per
-    (device, dtype, file). A lock makes concurrent first calls compile once.
+    (device, dtype). A lock makes concurrent first calls compile once.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._modules: dict[tuple[int, torch.dtype, str], object] = {}
+        self._modules: dict[tuple[int, torch.dtype], object] = {}
         self._functions: dict[tuple[int, torch.dtype, str], object] = {}
         self._streams: dict[tuple[int, int], object] = {}
         self.compile_count = 0  # modules built; observable by tests and `info`
@@ -89,13 +89,13 @@ class CupyLauncher:
 
     def _load(self, name: str, dtype: torch.dtype, device_index: int):
         cupy = import_cupy()
-        filename = kernel_file_of()[name]
-        module_key = (device_index, dtype, filename)
+        if name not in kernel_names():
+            raise ValueError(f"unknown kernel {name!r}; the module defines {kernel_names()}")
+        module_key = (device_index, dtype)
         with cupy.cuda.Device(device_index):
             module = self._modules.get(module_key)
             if module is None:
-                module = cupy.RawModule(code=expanded_source(filename),
-                                        options=compile_options(dtype))
+                module = cupy.RawModule(code=module_source(), options=compile_options(dtype))
                 self._modules[module_key] = module
                 self.compile_count += 1
             # .kernel compiles (or reads CuPy's disk cache) and loads the
@@ -164,8 +164,6 @@ def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -
     """Compile and load every kernel for ``device`` and ``dtypes`` now, e.g.
     before CUDA graph capture (no module may load during capture). Returns
     the number of kernels ready."""
-    from ._sources import kernel_file_of
-
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
@@ -173,7 +171,7 @@ def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -
     launcher = cupy_launcher()
     count = 0
     for dtype in dtypes:
-        for name in kernel_file_of():
+        for name in kernel_names():
             launcher.function(name, dtype, index)
             count += 1
     launcher._stream(index)

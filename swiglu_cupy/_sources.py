@@ -46,7 +46,7 @@ def kernel_dir() -> Path:
 
 def _expand(path: Path, seen: set[Path]) -> str:
     text = path.read_text()
-    seen.add(path)
+    seen.add(path.resolve())
 
     def inline(match: re.Match) -> str:
         target = (path.parent / match.group(1)).resolve()
@@ -59,22 +59,21 @@ def _expand(path: Path, seen: set[Path]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def expanded_source(filename: str) -> str:
-    """The self-contained source of one kernel file (read from disk once)."""
-    if filename not in KERNEL_FILES:
-        raise ValueError(f"unknown kernel file {filename!r}; expected one of {KERNEL_FILES}")
-    body = _expand(kernel_dir() / filename, set())
-    return f"// swiglu-cupy {__version__}: {filename}\n{body}"
+def module_source() -> str:
+    """The self-contained source of the kernel module: every kernel file, with
+    local headers inlined once (files are read from disk once per process).
+    One module per (device, dtype) is compiled from it."""
+    seen: set = set()
+    parts = [f"// swiglu-cupy {__version__}"]
+    for filename in KERNEL_FILES:
+        parts.append(f"// ==== {filename} ====\n{_expand(kernel_dir() / filename, seen)}")
+    return "\n".join(parts)
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_file_of() -> dict[str, str]:
-    """Map every kernel entry point to the file that defines it."""
-    owners: dict[str, str] = {}
-    for filename in KERNEL_FILES:
-        for name in _KERNEL_DECL.findall(expanded_source(filename)):
-            owners[name] = filename
-    return owners
+def kernel_names() -> tuple[str, ...]:
+    """Every kernel entry point in the module."""
+    return tuple(_KERNEL_DECL.findall(module_source()))
 
 
 def compile_options(dtype: torch.dtype) -> tuple[str, ...]:

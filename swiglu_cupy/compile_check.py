@@ -1,4 +1,4 @@
-"""Compile every kernel file for every dtype with NVRTC for explicit GPU
+"""Compile the kernel module for every dtype with NVRTC for explicit GPU
 architectures, without a GPU or driver, and report registers and spills.
 
 CuPy's own compile helper asks the driver for the device, so this calls
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ._cuda_headers import cuda_include_dirs, missing_header_hint
-from ._sources import KERNEL_FILES, SUPPORTED_DTYPES, compile_options, expanded_source
+from ._sources import SUPPORTED_DTYPES, compile_options, module_source
 
 DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_100")
 
@@ -25,7 +25,6 @@ _REGS = re.compile(r"Used (\d+) registers")
 
 @dataclass(frozen=True)
 class KernelReport:
-    filename: str
     dtype: torch.dtype
     arch: str
     kernel: str
@@ -33,7 +32,7 @@ class KernelReport:
     stack_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
-    seconds: float  # compile time of the whole file for this (dtype, arch)
+    seconds: float  # compile time of the whole module for this (dtype, arch)
 
     @property
     def spills(self) -> bool:
@@ -69,9 +68,9 @@ def parse_ptxas_log(log: str) -> dict[str, tuple[int, int, int, int]]:
     return result
 
 
-def compile_file(filename: str, dtype: torch.dtype, arch: str) -> tuple[list[KernelReport], bytes]:
-    """Compile one kernel file for one dtype and arch; returns the per-kernel
-    report and the cubin."""
+def compile_module(dtype: torch.dtype, arch: str) -> tuple[list[KernelReport], bytes]:
+    """Compile the kernel module for one dtype and arch, exactly as the runtime
+    loader would; returns the per-kernel report and the cubin."""
     nvrtc = _nvrtc()
     includes = cuda_include_dirs()
     if not any((d / "cuda_fp16.h").is_file() for d in includes):
@@ -79,12 +78,12 @@ def compile_file(filename: str, dtype: torch.dtype, arch: str) -> tuple[list[Ker
     options = [*compile_options(dtype), f"--gpu-architecture={arch}", "-Xptxas=-v",
                *(f"-I{d}" for d in includes)]
     start = time.perf_counter()
-    prog = nvrtc.createProgram(expanded_source(filename), filename, [], [])
+    prog = nvrtc.createProgram(module_source(), "swiglu_cupy.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, options)
         except Exception as exc:
-            raise CompileError(f"{filename} [{dtype}, {arch}] failed: {exc}\n"
+            raise CompileError(f"kernels [{dtype}, {arch}] failed: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)
         cubin = nvrtc.getCUBIN(prog)
@@ -93,8 +92,8 @@ def compile_file(filename: str, dtype: torch.dtype, arch: str) -> tuple[list[Ker
     seconds = time.perf_counter() - start
     parsed = parse_ptxas_log(log)
     if not parsed:
-        raise CompileError(f"{filename} [{dtype}, {arch}]: no ptxas report in the log:\n{log}")
-    reports = [KernelReport(filename, dtype, arch, name, *stats, seconds)
+        raise CompileError(f"kernels [{dtype}, {arch}]: no ptxas report in the log:\n{log}")
+    reports = [KernelReport(dtype, arch, name, *stats, seconds)
                for name, stats in sorted(parsed.items())]
     return reports, cubin
 
@@ -103,8 +102,7 @@ def compile_matrix(archs=DEFAULT_ARCHS, dtypes=SUPPORTED_DTYPES) -> list[KernelR
     reports: list[KernelReport] = []
     for arch in archs:
         for dtype in dtypes:
-            for filename in KERNEL_FILES:
-                reports.extend(compile_file(filename, dtype, arch)[0])
+            reports.extend(compile_module(dtype, arch)[0])
     return reports
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from swiglu_cupy import compile_check
-from swiglu_cupy._sources import KERNEL_FILES, SUPPORTED_DTYPES, kernel_file_of
+from swiglu_cupy._sources import SUPPORTED_DTYPES, kernel_names
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 
@@ -20,9 +20,9 @@ def matrix():
 
 def test_every_kernel_dtype_and_arch_compiles_without_spills(matrix):
     seen = {(r.kernel, r.dtype, r.arch) for r in matrix}
-    expected = {(k, d, a) for k in kernel_file_of() for d in SUPPORTED_DTYPES for a in ARCHS}
+    expected = {(k, d, a) for k in kernel_names() for d in SUPPORTED_DTYPES for a in ARCHS}
     assert seen == expected
-    assert len(kernel_file_of()) == 4
+    assert len(kernel_names()) == 4
     for r in matrix:
         assert 0 < r.registers <= 64, r           # 256-thread blocks stay at full occupancy
         assert not r.spills and r.stack_bytes == 0, r
@@ -33,23 +33,25 @@ def test_vector_kernels_use_128_bit_loads_and_stores(dtype):
     from cupy_backends.cuda.libs import nvrtc
 
     from swiglu_cupy._cuda_headers import cuda_include_dirs
-    from swiglu_cupy._sources import compile_options, expanded_source
+    from swiglu_cupy._sources import compile_options, module_source
 
-    for filename in KERNEL_FILES:
-        prog = nvrtc.createProgram(expanded_source(filename), filename, [], [])
-        try:
-            nvrtc.compileProgram(prog, [*compile_options(dtype), "--gpu-architecture=compute_90",
-                                        *(f"-I{d}" for d in cuda_include_dirs())])
-            ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) else nvrtc.getPTX(prog)
-        finally:
-            nvrtc.destroyProgram(prog)
-        entries = re.split(r"\.entry\s+", ptx)[1:]
-        bodies = {e.split("(", 1)[0].strip(): e for e in entries}
-        vec = next(b for n, b in bodies.items() if n.endswith("_vec"))
-        scalar = next(b for n, b in bodies.items() if n.endswith("_scalar"))
-        assert re.search(r"ld\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", vec), filename
-        assert re.search(r"st\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", vec), filename
-        assert not re.search(r"ld\.global\.v\d", scalar), filename
+    prog = nvrtc.createProgram(module_source(), "swiglu_cupy.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, [*compile_options(dtype), "--gpu-architecture=compute_90",
+                                    *(f"-I{d}" for d in cuda_include_dirs())])
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entries = re.split(r"\.entry\s+", ptx)[1:]
+    bodies = {e.split("(", 1)[0].strip(): e for e in entries}
+    assert set(bodies) == set(kernel_names())
+    for name, body in bodies.items():
+        vector_access = re.search(r"(ld|st)\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", body)
+        if name.endswith("_vec"):
+            assert re.search(r"ld\.global\.v(4|2)\.", body) and re.search(r"st\.global\.v(4|2)\.", body), name
+        else:
+            assert not vector_access, name
 
 
 def test_parse_ptxas_log():
@@ -66,7 +68,7 @@ ptxas info    : Used 12 registers, used 0 barriers"""
 
 def test_compile_error_reports_the_log():
     with pytest.raises(compile_check.CompileError, match="sm_12345"):
-        compile_check.compile_file(KERNEL_FILES[0], torch.float32, "sm_12345")
+        compile_check.compile_module(torch.float32, "sm_12345")
 
 
 def test_cli_compile_prints_table_and_time():

@@ -4,20 +4,18 @@ import torch
 from swiglu_cupy import _sources
 
 
-def test_local_headers_are_inlined():
+def test_local_headers_are_inlined_once():
+    src = _sources.module_source()
+    assert '#include "' not in src
+    assert src.count("typedef SWIGLU_SCALAR scalar_t;") == 1
+    assert src.startswith("// swiglu-cupy ")
     for filename in _sources.KERNEL_FILES:
-        src = _sources.expanded_source(filename)
-        assert '#include "' not in src
-        assert "typedef SWIGLU_SCALAR scalar_t;" in src
-        assert src.startswith("// swiglu-cupy ")
+        assert f"// ==== {filename} ====" in src
 
 
-def test_kernel_registry():
-    owners = _sources.kernel_file_of()
-    assert owners == {
-        "swiglu_forward_vec": "swiglu_forward.cu", "swiglu_forward_scalar": "swiglu_forward.cu",
-        "swiglu_backward_vec": "swiglu_backward.cu", "swiglu_backward_scalar": "swiglu_backward.cu",
-    }
+def test_kernel_names():
+    assert set(_sources.kernel_names()) == {
+        "swiglu_forward_vec", "swiglu_forward_scalar", "swiglu_backward_vec", "swiglu_backward_scalar"}
 
 
 def test_editing_a_header_changes_the_compiled_source(tmp_path, monkeypatch):
@@ -25,16 +23,16 @@ def test_editing_a_header_changes_the_compiled_source(tmp_path, monkeypatch):
     for name in ("swiglu_common.cuh", *_sources.KERNEL_FILES):
         (tmp_path / name).write_text((_sources.kernel_dir() / name).read_text())
     monkeypatch.setattr(_sources, "_CANDIDATE_DIRS", (tmp_path,))
-    _sources.expanded_source.cache_clear()
+    _sources.module_source.cache_clear()
     try:
-        before = _sources.expanded_source("swiglu_forward.cu")
+        before = _sources.module_source()
         header = tmp_path / "swiglu_common.cuh"
         header.write_text(header.read_text() + "\n// edited\n")
-        _sources.expanded_source.cache_clear()
-        after = _sources.expanded_source("swiglu_forward.cu")
+        _sources.module_source.cache_clear()
+        after = _sources.module_source()
         assert before != after and "// edited" in after
     finally:
-        _sources.expanded_source.cache_clear()
+        _sources.module_source.cache_clear()
 
 
 def test_options_differ_per_dtype_and_vector_widths():

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._cuda_headers import cuda_include_dirs, missing_header_hint
-from .._sources import KERNEL_FILES, compile_options, expanded_source, kernel_file_of
+from .._sources import compile_options, kernel_names, module_source
 
 _COMPAT_HEADER = r"""
 // Host-side stand-ins for the CUDA execution model (forced include).
@@ -84,25 +84,23 @@ def _cache_dir() -> Path:
     return root
 
 
-def host_source(filename: str, dtype: torch.dtype) -> str:
-    src = expanded_source(filename)
-    names = [n for n, f in kernel_file_of().items() if f == filename]
-    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for n in names)
-    return f"{src}\n{_LAUNCHER_TEMPLATE}\n{wrappers}"
+def host_source() -> str:
+    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for n in kernel_names())
+    return f"{module_source()}\n{_LAUNCHER_TEMPLATE}\n{wrappers}"
 
 
-def build_library(filename: str, dtype: torch.dtype) -> Path:
-    """Compile one kernel file for one dtype into a shared library (cached by
-    the hash of everything that goes into it)."""
+def build_library(dtype: torch.dtype) -> Path:
+    """Compile the kernel module for one dtype into a shared library (cached
+    by the hash of everything that goes into it)."""
     includes = cuda_include_dirs()
     if not any((d / "cuda_fp16.h").is_file() for d in includes):
         raise RuntimeError(missing_header_hint("cuda_fp16.h"))
-    source = host_source(filename, dtype)
+    source = host_source()
     defines = [o for o in compile_options(dtype) if o.startswith("-D")]
     flags = ["-x", "c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w",
              *defines, *(f"-I{d}" for d in includes)]
     digest = hashlib.sha256("\0".join([_COMPAT_HEADER, source, compiler(), *flags]).encode()).hexdigest()[:20]
-    out = _cache_dir() / f"{Path(filename).stem}_{digest}.so"
+    out = _cache_dir() / f"swiglu_kernels_{digest}.so"
     if out.is_file():
         return out
     work = Path(tempfile.mkdtemp(prefix="swiglu_host_", dir=_cache_dir()))
@@ -112,7 +110,7 @@ def build_library(filename: str, dtype: torch.dtype) -> Path:
     cmd = [compiler(), *flags, "-include", str(work / "compat.h"), str(work / "kernel.cpp"), "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"host build of {filename} ({dtype}) failed:\n{' '.join(cmd)}\n{proc.stderr}")
+        raise RuntimeError(f"host build of the kernels ({dtype}) failed:\n{' '.join(cmd)}\n{proc.stderr}")
     os.replace(tmp_out, out)  # atomic: concurrent builders never see half a file
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -122,26 +120,24 @@ class HostLauncher:
     """Launcher that runs kernels on the CPU, on torch CPU tensors."""
 
     def __init__(self) -> None:
-        self._libs: dict[tuple[str, torch.dtype], ctypes.CDLL] = {}
+        self._libs: dict[torch.dtype, ctypes.CDLL] = {}
         self._lock = threading.Lock()
         self.launches: list[tuple[str, tuple, tuple]] = []  # (name, grid, block), for tests
 
-    def _library(self, filename: str, dtype: torch.dtype) -> ctypes.CDLL:
-        key = (filename, dtype)
+    def _library(self, dtype: torch.dtype) -> ctypes.CDLL:
         with self._lock:
-            if key not in self._libs:
-                self._libs[key] = ctypes.CDLL(str(build_library(filename, dtype)))
-            return self._libs[key]
+            if dtype not in self._libs:
+                self._libs[dtype] = ctypes.CDLL(str(build_library(dtype)))
+            return self._libs[dtype]
 
     def warm(self, dtypes: Sequence[torch.dtype]) -> None:
         for dtype in dtypes:
-            for filename in KERNEL_FILES:
-                self._library(filename, dtype)
+            self._library(dtype)
 
     def launch(self, name, dtype, device, grid, block, args):
         if torch.device(device).type != "cpu":
             raise ValueError(f"HostLauncher runs CPU tensors only, got device {device}")
-        lib = self._library(kernel_file_of()[name], dtype)
+        lib = self._library(dtype)
         # Each argument lives in its own C object; params holds their addresses,
         # exactly like cuLaunchKernel's kernelParams.
         holders = []
