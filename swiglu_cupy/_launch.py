@@ -96,11 +96,32 @@ class CupyLauncher:
             module = self._modules.get(module_key)
             if module is None:
                 module = cupy.RawModule(code=module_source(), options=compile_options(dtype))
-                self._modules[module_key] = module
                 self.compile_count += 1
-            # .kernel compiles (or reads CuPy's disk cache) and loads the
-            # binary into this device's context.
-            return module.get_function(name).kernel
+            try:
+                # .kernel compiles (or reads CuPy's disk cache, which checks a
+                # hash and recompiles a corrupt entry) and loads the binary
+                # into this device's context.
+                kernel = module.get_function(name).kernel
+            except OSError as exc:  # the cache directory is unwritable or broken
+                module, kernel = self._load_without_disk_cache(cupy, name, dtype, exc)
+            self._modules[module_key] = module
+            return kernel
+
+    def _load_without_disk_cache(self, cupy, name: str, dtype: torch.dtype, error: OSError):
+        warnings.warn(
+            f"swiglu-cupy: CuPy's kernel cache directory is not usable ({error}); compiling in "
+            "memory instead. Set CUPY_CACHE_DIR to a writable directory to keep compiled kernels.",
+            RuntimeWarning, stacklevel=4)
+        previous = os.environ.get("CUPY_CACHE_IN_MEMORY")
+        os.environ["CUPY_CACHE_IN_MEMORY"] = "1"  # read by CuPy at each compile
+        try:
+            module = cupy.RawModule(code=module_source(), options=compile_options(dtype))
+            return module, module.get_function(name).kernel
+        finally:
+            if previous is None:
+                del os.environ["CUPY_CACHE_IN_MEMORY"]
+            else:
+                os.environ["CUPY_CACHE_IN_MEMORY"] = previous
 
     def _stream(self, device_index: int):
         """CuPy's view of torch's current stream (looked up at every call:

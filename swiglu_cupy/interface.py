@@ -115,9 +115,17 @@ def _check_tensor(name: str, t, optional: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         kind = "a torch.Tensor or None" if optional else "a torch.Tensor"
         raise TypeError(f"{name} must be {kind}, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be a floating tensor of dtype float16, bfloat16, float32 "
                         f"or float64, got {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"{name} is a meta tensor (no data); materialize it first, e.g. "
+                         "module.to_empty(device=...) and re-initialize the parameters")
+    if name != "x" and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is an expanded view (stride 0 along a dim of size > 1, strides "
+                         f"{t.stride()}); pass a materialized tensor, e.g. {name}.contiguous()")
 
 
 def _check_shapes(x, w12, b12, w3, b3) -> None:

@@ -167,26 +167,3 @@ def test_autocast_cpu_bf16_computes_in_bf16_with_param_dtype_grads():
         assert_nontrivial(p.grad, "autocast grad")
     ref = swiglu_fp64_reference(x, *params)
     assert rel_rms(y, ref) < 2e-2  # bf16 inputs, weights and outputs
-
-
-@pytest.mark.parametrize("args,error,match", [
-    (lambda p: ("x", *p), TypeError, "x must be a torch.Tensor"),
-    (lambda p: (torch.randn(4, D), None, *p[1:]), TypeError, "w12 must be a torch.Tensor"),
-    (lambda p: (torch.randn(4, D), p[0], 3.0, *p[2:]), TypeError, "b12 must be a torch.Tensor or None"),
-    (lambda p: (torch.randn(4, D + 1), *p), ValueError, "w12 must be \\[2H, D\\] with D = x.shape\\[-1\\]"),
-    (lambda p: (torch.randn(()), *p), ValueError, "x must have shape"),
-    (lambda p: (torch.randn(4, D), p[0][:-1], None, p[2], p[3]), ValueError, "w12 must have 2H rows"),
-    (lambda p: (torch.randn(4, D), p[0][None], *p[1:]), ValueError, "w12 must be 2-D"),
-    (lambda p: (torch.randn(4, D), p[0], p[1][:-2], *p[2:]), ValueError, "b12 must have shape"),
-    (lambda p: (torch.randn(4, D), p[0], p[1], p[2][:, :-1], p[3]), ValueError, "w3 must be 2-D \\[O, H\\]"),
-    (lambda p: (torch.randn(4, D), *p[:3], p[3][:-1]), ValueError, "b3 must have shape"),
-    (lambda p: (torch.randn(4, D, dtype=torch.float64), *p), TypeError, "w12 must have the same dtype"),
-    (lambda p: (torch.ones(4, D, dtype=torch.int64), *p), TypeError, "x must be a floating tensor"),
-    (lambda p: (torch.randn(4, D), p[0].bool(), *p[1:]), TypeError, "w12 must be a floating tensor"),
-    (lambda p: (torch.randn(4, D, dtype=torch.complex64), *p), TypeError, "x must be a floating tensor"),
-    (lambda p: (torch.randn(4, D, device="meta"), *p), ValueError, "w12 must have the same device"),
-])
-def test_bad_input_is_rejected_with_the_argument_named(args, error, match):
-    params = _params(torch.float32, True, True)
-    with pytest.raises(error, match=match):
-        sc.swiglu(*args(params))

@@ -129,3 +129,39 @@ def test_warmup_loads_every_kernel_before_capture(monkeypatch):
     assert _launch.cupy_launcher().compile_count == 2  # one module per (device, dtype)
     with pytest.raises(ValueError, match="device must be a CUDA device"):
         _launch.warmup("cpu")
+
+
+def test_unwritable_kernel_cache_falls_back_to_memory(monkeypatch):
+    import os
+
+    fake = _FakeCupy()
+    real_module = fake.RawModule
+
+    class CacheFailingModule(real_module):
+        """Like RawModule: compiles (and writes the disk cache) on first use."""
+        compiled = False
+
+        def get_function(self, name):
+            if not self.compiled:
+                if os.environ.get("CUPY_CACHE_IN_MEMORY") != "1":
+                    raise PermissionError(13, "Permission denied", "/nonexistent/kernel_cache")
+                self.compiled = True
+            return super().get_function(name)
+
+    fake.RawModule = CacheFailingModule
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
+    launcher = _launch.CupyLauncher()
+    with pytest.warns(RuntimeWarning, match="CUPY_CACHE_DIR"):
+        kernel = launcher.function("swiglu_forward_vec", torch.float32, 0)
+    assert kernel is not None
+    assert "CUPY_CACHE_IN_MEMORY" not in os.environ  # restored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launcher.function("swiglu_forward_scalar", torch.float32, 0)  # module reused, no new warning
+
+
+def test_unknown_kernel_name_is_rejected(monkeypatch):
+    monkeypatch.setattr(_launch, "import_cupy", lambda: _FakeCupy())
+    with pytest.raises(ValueError, match="unknown kernel"):
+        _launch.CupyLauncher().function("swiglu_sideways", torch.float32, 0)
