@@ -165,3 +165,54 @@ def test_unknown_kernel_name_is_rejected(monkeypatch):
     monkeypatch.setattr(_launch, "import_cupy", lambda: _FakeCupy())
     with pytest.raises(ValueError, match="unknown kernel"):
         _launch.CupyLauncher().function("swiglu_sideways", torch.float32, 0)
+
+
+def test_eight_threads_first_call_compile_once_and_compute_correctly(monkeypatch, host_launcher):
+    """The real CupyLauncher (cache, lock, launch path) with a CuPy stand-in
+    whose 'compiled kernels' are the host-executed kernels: 8 threads race on
+    the first call; one module is built per dtype and every result is right."""
+    compiles = []
+
+    class HostBackedModule:
+        def __init__(self, code, options):
+            time.sleep(0.05)  # widen the race window
+            compiles.append(options)
+            self.dtype = {"__half": torch.float16, "__nv_bfloat16": torch.bfloat16,
+                          "float": torch.float32, "double": torch.float64}[options[-1].split("=")[1]]
+
+        def get_function(self, name):
+            def kernel(grid, block, args, stream=None):
+                host_launcher.launch(name, self.dtype, torch.device("cpu"), grid, block, args)
+            return types.SimpleNamespace(kernel=kernel)
+
+    fake = _FakeCupy()
+    fake.RawModule = HostBackedModule
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=5))
+    launcher = _launch.CupyLauncher()
+    barrier = threading.Barrier(8)
+    failures = []
+
+    def worker(i):
+        try:
+            dtype = (torch.bfloat16, torch.float32)[i % 2]
+            x12 = torch.randn(7 + i, 2 * (16 + i)).to(dtype)
+            dh = torch.randn(7 + i, 16 + i).to(dtype)
+            barrier.wait()
+            h = primitives.swiglu_forward(x12, launcher=launcher)
+            dx12, _ = primitives.swiglu_backward(x12, dh, launcher=launcher)
+            ref_dx12, ref_h = primitives.swiglu_backward(x12, dh, implementation="torch")
+            torch.testing.assert_close(h, ref_h, rtol=2**-7, atol=1e-6)
+            torch.testing.assert_close(dx12, ref_dx12, rtol=2**-7, atol=1e-5)
+        except BaseException as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures
+    assert sorted(o[-1] for o in compiles) == ["-DSWIGLU_SCALAR=__nv_bfloat16", "-DSWIGLU_SCALAR=float"]
+    assert launcher.compile_count == 2
