@@ -331,3 +331,57 @@ def primitives_patched_swiglu(launcher, *args):
         return sc.swiglu(*args)
     finally:
         primitives._use_kernels, primitives.kernels.cupy_launcher = saved
+
+
+@pytest.mark.gpu
+def test_gpu_tensors_past_2_pow_31_elements():
+    M, H_ = 2**17 + 3, 2**14                    # x12: M * 2H ~ 4.3e9 elements (8.6 GB bf16)
+    x12 = torch.randn(M, 2 * H_, device="cuda", dtype=torch.bfloat16)
+    dh = torch.randn(M, H_, device="cuda", dtype=torch.bfloat16)
+    h = primitives.swiglu_forward(x12, implementation="kernels")
+    rows = torch.tensor([0, 2**31 // (2 * H_) - 1, 2**31 // (2 * H_), 2**32 // (2 * H_), M - 1])
+    ref_h = primitives.swiglu_forward(x12[rows].cpu(), implementation="torch")
+    torch.testing.assert_close(h[rows].cpu(), ref_h, rtol=2**-7, atol=1e-6)
+    del h
+    dx12, _ = primitives.swiglu_backward(x12, dh, implementation="kernels")
+    ref_dx12, _ = primitives.swiglu_backward(x12[rows].cpu(), dh[rows].cpu(), implementation="torch")
+    torch.testing.assert_close(dx12[rows].cpu(), ref_dx12, rtol=2**-7, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_backward_is_bitwise_deterministic():
+    torch.manual_seed(0)
+    m = sc.SwiGLU(256, 688, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    runs = []
+    for _ in range(2):
+        x.grad = None
+        m.zero_grad(set_to_none=True)
+        m(x).float().pow(2).sum().backward()
+        runs.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,hidden", [(0, 8), (5, 1), (9, 7), (3, 1001)])
+def test_gpu_edge_shapes(M, hidden):
+    x12 = torch.randn(M, 2 * hidden, device="cuda")
+    dh = torch.randn(M, hidden, device="cuda")
+    h = primitives.swiglu_forward(x12, implementation="kernels")
+    dx12, _ = primitives.swiglu_backward(x12, dh, implementation="kernels")
+    ref_dx12, ref_h = primitives.swiglu_backward(x12.cpu(), dh.cpu(), implementation="torch")
+    torch.testing.assert_close(h.cpu(), ref_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx12.cpu(), ref_dx12, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_inf_and_nan_like_eager():
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, 1.0, -100.0])
+    x12 = torch.stack([special.repeat_interleave(6), special.repeat(6)], dim=1).cuda()
+    dh = torch.ones(36, 1, device="cuda")
+    h = primitives.swiglu_forward(x12, implementation="kernels")
+    dx12, _ = primitives.swiglu_backward(x12, dh, implementation="kernels")
+    h_ref, dx12_ref = _eager_primitives(x12.cpu(), dh.cpu())
+    _same_non_finite_pattern(h.cpu(), h_ref)
+    _same_non_finite_pattern(dx12.cpu(), dx12_ref)
