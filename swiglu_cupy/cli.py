@@ -1,4 +1,6 @@
-"""Command line: ``python -m swiglu_cupy compile [--arch sm_80 sm_90 ...]``."""
+"""Command line: ``python -m swiglu_cupy compile [--arch sm_80 sm_90 ...]``,
+``python -m swiglu_cupy info``, ``python -m swiglu_cupy bench [...]`` and
+``python -m swiglu_cupy selftest --out DIR``."""
 from __future__ import annotations
 
 import argparse
@@ -26,6 +28,25 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     return 1 if spilled else 0
 
 
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .info import collect, format_info
+
+    print(format_info(collect()))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
+def _cmd_selftest(args: argparse.Namespace) -> int:
+    from .selftest import run
+
+    return run(args.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m swiglu_cupy")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -34,6 +55,20 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--arch", nargs="+", default=["sm_80", "sm_90", "sm_100"],
                       help="GPU architectures, e.g. sm_80 sm_90 sm_100")
     comp.set_defaults(func=_cmd_compile)
+
+    info = sub.add_parser("info", help="explain the setup: versions, CuPy/NVRTC state, cache dir, "
+                                       "and which path CUDA tensors take")
+    info.set_defaults(func=_cmd_info)
+
+    from . import bench
+    ben = sub.add_parser("bench", help="time and measure SwiGLU contenders (eager, packed, torch.compile, "
+                                       "Liger, swiglu-cupy) against the GEMMs alone; writes bench.json/png")
+    bench.add_arguments(ben)
+    ben.set_defaults(func=_cmd_bench)
+
+    st = sub.add_parser("selftest", help="GPU check: pytest -m gpu, then bench --quick; exit 2 without CUDA")
+    st.add_argument("--out", default="selftest-results", help="directory for the logs, results and summary")
+    st.set_defaults(func=_cmd_selftest)
     return parser
 
 

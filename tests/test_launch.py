@@ -216,3 +216,28 @@ def test_eight_threads_first_call_compile_once_and_compute_correctly(monkeypatch
     assert not failures, failures
     assert sorted(o[-1] for o in compiles) == ["-DSWIGLU_SCALAR=__nv_bfloat16", "-DSWIGLU_SCALAR=float"]
     assert launcher.compile_count == 2
+
+
+def test_info_command_explains_the_state():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "swiglu_cupy", "info"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for key in ("swiglu_cupy", "torch", "cupy", "nvrtc", "kernel_sources", "cupy_cache_dir", "cuda_path"):
+        assert key in proc.stdout
+
+
+def test_info_without_cupy_names_the_fix(monkeypatch):
+    from swiglu_cupy import info
+
+    def no_cupy():
+        raise _launch.CudaUnavailableError("x") from ImportError("No module named 'cupy'")
+
+    monkeypatch.setattr(info, "import_cupy", no_cupy)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.delenv("SWIGLU_CUPY_STRICT", raising=False)
+    state = info.collect()
+    assert state["cupy"] is None and "No module named 'cupy'" in state["cupy_error"]
+    assert "fall back" in state["cuda_path"] and "swiglu-cupy[cuda13]" in state["cuda_path"]

@@ -1,0 +1,145 @@
+"""`python -m swiglu_cupy bench` and `selftest` on the CPU, run as subprocesses.
+
+Timing values are never checked beyond being positive and finite."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from swiglu_cupy.bench import CONTENDERS, LOWER_BOUND
+
+ENV_KEYS = ("date", "device", "python", "torch", "torch_cuda", "cupy", "cuda_runtime", "driver",
+            "gpu_name", "swiglu_cupy")
+
+
+def _cli(*args, timeout=240, pythonpath=None):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # the CPU path, even on a GPU machine
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
+    return subprocess.run([sys.executable, "-m", "swiglu_cupy", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = _cli("bench", "--device", "cpu", "--out", str(out))
+    return proc, out
+
+
+def _positive_stats(s, what):
+    assert s["n"] >= 1, what
+    for key in ("median", "p10", "p90", "min", "max", "mean"):
+        assert math.isfinite(s[key]) and s[key] > 0, f"{what}.{key} = {s[key]}"
+    assert s["min"] <= s["p10"] <= s["median"] <= s["p90"] <= s["max"], what
+
+
+def test_cpu_bench_exits_0_and_prints_table(cpu_run):
+    proc, _ = cpu_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "== smoke  D=64 H=176 M=32 fp32" in proc.stdout
+    for label in ("GEMMs only (lower bound)", "eager, 3x Linear (HF)", "swiglu-cupy SwiGLU"):
+        assert label in proc.stdout
+    assert "[1/" in proc.stderr  # progress lines
+
+
+def test_cpu_bench_json(cpu_run):
+    proc, out = cpu_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    env = report["environment"]
+    for key in ENV_KEYS:
+        assert key in env, key
+    assert env["device"] == "cpu" and env["torch"] == torch.__version__
+    assert len(report["results"]) == 1
+    res = report["results"][0]
+    assert res["shape"] == {"name": "smoke", "D": 64, "H": 176, "M": 32, "dtype": "fp32"}
+    assert set(res["contenders"]) == {LOWER_BOUND, *CONTENDERS}
+    for name, entry in res["contenders"].items():
+        if not entry["available"]:
+            assert isinstance(entry["reason"], str) and entry["reason"], name
+            assert not entry["reason"].startswith("failed"), (name, entry["reason"])
+            continue
+        for key in ("fwd_ms", "bwd_ms", "fwd_bwd_ms"):
+            _positive_stats(entry[key], f"{name}.{key}")
+        # CUDA-only measurements are null, each with its reason.
+        for key in ("peak_mem_fwd_bwd_bytes", "peak_mem_nograd_fwd_bytes"):
+            assert entry[key] is None and entry["null_reasons"][key], (name, key)
+    # Everything but Liger (Triton: CUDA only) runs on CPU.
+    for name in (LOWER_BOUND, "eager_hf", "eager_packed", "swiglu_cupy"):
+        assert res["contenders"][name]["available"], (name, res["contenders"][name].get("reason"))
+    for name in ("eager_packed", "swiglu_cupy"):
+        assert res["contenders"][name]["rel_err_vs_eager_hf"] < 1e-5
+    assert not res["contenders"]["liger"]["available"]  # never on CPU
+
+    el = res["elementwise"]
+    assert el["fwd_gbps"] > 0 and el["bwd_gbps"] > 0
+    assert el["fwd_bytes"] == 32 * 3 * 176 * 4 and el["bwd_bytes"] == 32 * 6 * 176 * 4
+    assert report["copy"]["gbps"] > 0
+    overhead = report["host_overhead"][0]
+    assert overhead["shape"]["M"] == 1
+    for name, us in overhead["us_per_call"].items():
+        assert (us is not None and us > 0) or overhead["null_reasons"][name], name
+    comp = report["compile"][0]
+    assert comp["cold"] is None and comp["warm"] is None
+    assert "CUDA" in comp["null_reasons"]["cold"]
+
+
+def test_cpu_bench_png_and_text(cpu_run):
+    proc, out = cpu_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pytest.importorskip("matplotlib")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "GEMMs only" in (out / "bench.txt").read_text()
+
+
+def test_custom_shape_and_sweep_without_matplotlib(tmp_path):
+    """A --dim/--hidden x --tokens x --dtype sweep; with matplotlib unimportable
+    the run still succeeds, says why there is no PNG, and writes the JSON."""
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('matplotlib blocked by the test')\n")
+    out = tmp_path / "out"
+    proc = _cli("bench", "--device", "cpu", "--dim", "32", "--hidden", "40", "--tokens", "3", "5",
+                "--dtype", "fp32", "fp16", "--repeats", "2", "--warmup", "0",
+                "--skip", "torch_compile", "eager_packed", "--out", str(out), pythonpath=fake)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no plot: matplotlib is not importable" in proc.stderr
+    assert not (out / "bench.png").exists()
+    report = json.loads((out / "bench.json").read_text())
+    assert report["plot"] is None and "matplotlib" in report["plot_missing_reason"]
+    shapes = [(r["shape"]["D"], r["shape"]["H"], r["shape"]["M"], r["shape"]["dtype"]) for r in report["results"]]
+    assert shapes == [(32, 40, 3, "fp32"), (32, 40, 5, "fp32"), (32, 40, 3, "fp16"), (32, 40, 5, "fp16")]
+    for res in report["results"]:
+        assert res["contenders"]["torch_compile"]["reason"] == "skipped (--skip)"
+        assert res["contenders"]["swiglu_cupy"]["available"]
+        assert res["contenders"]["swiglu_cupy"]["fwd_ms"]["n"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtype", "fp8"], "invalid choice: 'fp8'"),
+    (["--preset", "llama9000"], "invalid choice: 'llama9000'"),
+    (["--tokens", "0"], "expected a positive integer"),
+    (["--dim", "64"], "--dim and --hidden go together"),
+])
+def test_bench_argument_errors(tmp_path, args, message):
+    proc = _cli("bench", "--device", "cpu", "--out", str(tmp_path), *args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_bench_cuda_without_cuda(tmp_path):
+    proc = _cli("bench", "--device", "cuda", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "no CUDA device" in proc.stderr
+
+
+def test_selftest_without_cuda(tmp_path):
+    proc = _cli("selftest", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "selftest needs a CUDA GPU" in proc.stderr
