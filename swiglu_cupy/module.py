@@ -39,6 +39,87 @@ class SwiGLU(nn.Module):
         return swiglu(x, self.w12.weight, self.w12.bias, self.w3.weight, self.w3.bias,
                       recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
 
+    @classmethod
+    def from_gate_up_down(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, **kwargs) -> "SwiGLU":
+        """Build the block from separate Hugging Face style projections.
+
+        Computes ``down(silu(gate(x)) * up(x))``: ``w12.weight = cat([gate.weight,
+        up.weight])`` (gate rows first), ``w12.bias`` likewise, ``w3 = down``.
+        The new module holds copies (the sources are not modified) on the
+        sources' device and dtype, with their ``requires_grad``. ``gate`` and
+        ``up`` must both have a bias or neither; ``down`` may differ (then
+        ``w3.bias`` is None). ``kwargs`` go to the constructor
+        (``recompute_gate_up``, ``inplace_backward``).
+        """
+        for name, lin in (("gate", gate), ("up", up), ("down", down)):
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(f"{name} must be an nn.Linear, got {type(lin).__name__}")
+        gw, uw, dw = gate.weight, up.weight, down.weight
+        if gw.dim() != 2 or gw.shape[0] < 1 or gw.shape[1] < 1:
+            raise ValueError(f"gate.weight must be 2-D [H, D], got shape {tuple(gw.shape)}")
+        H, D = gw.shape
+        if tuple(uw.shape) != (H, D):
+            raise ValueError(f"up.weight must have the shape of gate.weight [H, D] = {(H, D)}, "
+                             f"got {tuple(uw.shape)}")
+        if dw.dim() != 2 or dw.shape[1] != H or dw.shape[0] < 1:
+            raise ValueError(f"down.weight must be 2-D [O, H] with H = {H} (gate.out_features), "
+                             f"got shape {tuple(dw.shape)}")
+        if (gate.bias is None) != (up.bias is None):
+            raise ValueError("gate and up must both have a bias or both have none, got "
+                             f"gate.bias={'set' if gate.bias is not None else None}, "
+                             f"up.bias={'set' if up.bias is not None else None}")
+        for name, t in (("up.weight", uw), ("down.weight", dw), ("gate.bias", gate.bias),
+                        ("up.bias", up.bias), ("down.bias", down.bias)):
+            if t is None:
+                continue
+            if t.dtype != gw.dtype:
+                raise TypeError(f"{name} must have the dtype of gate.weight ({gw.dtype}), got {t.dtype}")
+            if t.device != gw.device:
+                raise ValueError(f"{name} must be on the device of gate.weight ({gw.device}), got {t.device}")
+        if uw.requires_grad != gw.requires_grad:
+            raise ValueError("gate.weight and up.weight become one parameter (w12.weight) and must agree "
+                             f"on requires_grad, got {gw.requires_grad} and {uw.requires_grad}")
+        if gate.bias is not None and up.bias.requires_grad != gate.bias.requires_grad:
+            raise ValueError("gate.bias and up.bias become one parameter (w12.bias) and must agree "
+                             f"on requires_grad, got {gate.bias.requires_grad} and {up.bias.requires_grad}")
+        # Built on the meta device (no init cost), then given the real values.
+        module = cls(D, H, dw.shape[0], bias=gate.bias is not None, device="meta", dtype=gw.dtype, **kwargs)
+
+        def param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=requires_grad)
+
+        with torch.no_grad():
+            module.w12.weight = param(torch.cat([gw.detach(), uw.detach()]), gw.requires_grad)
+            if gate.bias is not None:
+                module.w12.bias = param(torch.cat([gate.bias.detach(), up.bias.detach()]),
+                                        gate.bias.requires_grad)
+            module.w3.weight = param(dw.detach().clone(), dw.requires_grad)
+            module.w3.bias = (None if down.bias is None
+                              else param(down.bias.detach().clone(), down.bias.requires_grad))
+        return module
+
+    def to_gate_up_down(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """The inverse of :meth:`from_gate_up_down`: new ``(gate, up, down)``
+        ``nn.Linear`` modules holding copies of the weights (gate = first H
+        rows of ``w12``), on this module's device and dtype, with its
+        ``requires_grad``."""
+        H, D, O = self.hidden_features, self.in_features, self.out_features
+        w12, b12, w3, b3 = self.w12.weight, self.w12.bias, self.w3.weight, self.w3.bias
+        kw = {"device": "meta", "dtype": w12.dtype}
+        gate = nn.Linear(D, H, bias=b12 is not None, **kw)
+        up = nn.Linear(D, H, bias=b12 is not None, **kw)
+        down = nn.Linear(H, O, bias=b3 is not None, **kw)
+        with torch.no_grad():
+            gate.weight = nn.Parameter(w12[:H].detach().clone(), requires_grad=w12.requires_grad)
+            up.weight = nn.Parameter(w12[H:].detach().clone(), requires_grad=w12.requires_grad)
+            if b12 is not None:
+                gate.bias = nn.Parameter(b12[:H].detach().clone(), requires_grad=b12.requires_grad)
+                up.bias = nn.Parameter(b12[H:].detach().clone(), requires_grad=b12.requires_grad)
+            down.weight = nn.Parameter(w3.detach().clone(), requires_grad=w3.requires_grad)
+            if b3 is not None:
+                down.bias = nn.Parameter(b3.detach().clone(), requires_grad=b3.requires_grad)
+        return gate, up, down
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
                 f"out_features={self.out_features}, bias={self.w12.bias is not None}")
