@@ -154,3 +154,54 @@ def test_no_grad_peak_memory_is_x12_plus_output():
     # Allow cuBLAS workspace slack but not an [M, H] h buffer (M*H*2 bytes).
     assert peak < x12_bytes + y_bytes + M * H * 2 // 2, (peak, x12_bytes + y_bytes)
     assert torch.equal(y, m(x).detach())  # identical to the grad-enabled forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", [None, "non_reentrant", "reentrant"])
+def test_cuda_autocast_with_and_without_checkpoint(dtype, mode):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(sc.SwiGLU(64, 96, device="cuda") for _ in range(2))
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+
+    def run(checkpoint_mode):
+        blocks.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cuda", dtype=dtype):
+            h = x
+            for b in blocks:
+                if checkpoint_mode is None:
+                    h = h + b(h)
+                else:
+                    h = h + checkpoint(b, h, use_reentrant=checkpoint_mode == "reentrant")
+            assert h.dtype == dtype
+            loss = h.float().pow(2).mean()
+        loss.backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in blocks.parameters()]
+
+    expected = run(None)
+    for g in expected:
+        assert g.dtype == torch.float32
+        assert_nontrivial(g, "grad")
+    if mode is not None:
+        for g, g_ref in zip(run(mode), expected):
+            assert torch.equal(g, g_ref)
+
+
+def test_torch_compile_fullgraph_on_cuda():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(sc.SwiGLU(64, 96, device="cuda"), sc.SwiGLU(64, 96, device="cuda"))
+    x = torch.randn(16, 64, device="cuda", requires_grad=True)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    compiled = torch.compile(model, fullgraph=True)
+    y = compiled(x)
+    y.pow(2).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    y_eager = model(x)
+    y_eager.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5)
+    for g, p in zip(grads, [x] + list(model.parameters())):
+        assert_nontrivial(g, "grad")
+        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
