@@ -70,3 +70,26 @@ def elementwise_error_bounds(x12: torch.Tensor, dh: torch.Tensor, exact_h, exact
     h_bound = exact_h.double().abs() * ulp + h_terms * math_eps + tiny
     dx12_bound = exact_dx12.double().abs() * ulp + dx12_terms * math_eps + tiny
     return h_bound, dx12_bound
+
+
+def assert_compiled_matches_eager(model, x, tol):
+    """torch.compile(fullgraph=True) traces with no graph break and matches
+    eager, forward and every gradient. Returns the eager output."""
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    compiled = torch.compile(model, fullgraph=True)
+    y = compiled(x)
+    y.pow(2).sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    y_eager = model(x)
+    y_eager.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_eager, rtol=tol, atol=tol)  # same ops, maybe fused differently
+    for g, p in zip(grads, [x] + list(model.parameters())):
+        assert_nontrivial(g, "compiled grad")
+        torch.testing.assert_close(g, p.grad, rtol=tol, atol=tol)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), y_eager, rtol=tol, atol=tol)
+    return y_eager

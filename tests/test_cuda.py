@@ -8,7 +8,8 @@ from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
 from swiglu_cupy import _launch, primitives
-from conftest import assert_nontrivial, elementwise_error_bounds, rel_rms, swiglu_fp64_reference
+from conftest import (assert_compiled_matches_eager, assert_nontrivial, elementwise_error_bounds, rel_rms,
+                      swiglu_fp64_reference)
 
 pytestmark = pytest.mark.gpu
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -190,18 +191,4 @@ def test_cuda_autocast_with_and_without_checkpoint(dtype, mode):
 def test_torch_compile_fullgraph_on_cuda():
     torch.manual_seed(0)
     model = torch.nn.Sequential(sc.SwiGLU(64, 96, device="cuda"), sc.SwiGLU(64, 96, device="cuda"))
-    x = torch.randn(16, 64, device="cuda", requires_grad=True)
-    explanation = torch._dynamo.explain(model)(x)
-    assert explanation.graph_break_count == 0, explanation.break_reasons
-    compiled = torch.compile(model, fullgraph=True)
-    y = compiled(x)
-    y.pow(2).sum().backward()
-    grads = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
-    x.grad = None
-    model.zero_grad(set_to_none=True)
-    y_eager = model(x)
-    y_eager.pow(2).sum().backward()
-    torch.testing.assert_close(y, y_eager, rtol=1e-5, atol=1e-5)
-    for g, p in zip(grads, [x] + list(model.parameters())):
-        assert_nontrivial(g, "grad")
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-5)
+    assert_compiled_matches_eager(model, torch.randn(16, 64, device="cuda", requires_grad=True), tol=1e-5)

@@ -255,10 +255,7 @@ def test_index_range_beyond_2_pow_31_on_host(host_launcher):
     torch.testing.assert_close(x12[:, 1:H_ + 1].clone(), h_ref, rtol=2**-10, atol=0)
 
 
-def test_backward_is_bitwise_deterministic(path):
-    torch.manual_seed(0)
-    m = sc.SwiGLU(D, H, O, dtype=torch.bfloat16)
-    x = _x(33, dtype=torch.bfloat16).requires_grad_(True)
+def _assert_backward_bitwise_deterministic(m, x):
     runs = []
     for _ in range(2):
         x.grad = None
@@ -267,6 +264,12 @@ def test_backward_is_bitwise_deterministic(path):
         runs.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+def test_backward_is_bitwise_deterministic(path):
+    torch.manual_seed(0)
+    m = sc.SwiGLU(D, H, O, dtype=torch.bfloat16)
+    _assert_backward_bitwise_deterministic(m, _x(33, dtype=torch.bfloat16).requires_grad_(True))
 
 
 def _ulp_distance(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -353,14 +356,7 @@ def test_gpu_backward_is_bitwise_deterministic():
     torch.manual_seed(0)
     m = sc.SwiGLU(256, 688, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    runs = []
-    for _ in range(2):
-        x.grad = None
-        m.zero_grad(set_to_none=True)
-        m(x).float().pow(2).sum().backward()
-        runs.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
+    _assert_backward_bitwise_deterministic(m, x)
 
 
 @pytest.mark.gpu
