@@ -8,6 +8,7 @@ code the GPU runs, exercised in CI without a GPU.
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import warnings
@@ -41,14 +42,24 @@ class CudaUnavailableError(RuntimeError):
     """CuPy or NVRTC cannot be loaded, so CUDA kernels cannot run."""
 
 
+@functools.lru_cache(maxsize=1)  # successes only: a failure raises again next time
 def import_cupy():
+    """CuPy, once it and its NVRTC library are known to load."""
     try:
-        import cupy  # noqa: F401
+        import cupy
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()  # loads libnvrtc: a missing library fails here, not at first compile
     except Exception as exc:  # ImportError, or a CUDA library failing to load
         raise CudaUnavailableError(
-            f"swiglu-cupy needs CuPy (>= 14.2) for CUDA tensors: {exc}. Fix: {INSTALL_HINT}"
+            f"swiglu-cupy needs CuPy (>= 14.2) and NVRTC for CUDA tensors: {exc}. Fix: {INSTALL_HINT}"
         ) from exc
     return cupy
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA ordinal of ``device`` ("cuda" alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 class _StreamHandle:
@@ -135,11 +146,10 @@ class CupyLauncher:
         return stream
 
     def launch(self, name, dtype, device, grid, block, args):
-        device_index = device.index if device.index is not None else torch.cuda.current_device()
-        fn = self.function(name, dtype, device_index)
-        cupy = import_cupy()
-        with cupy.cuda.Device(device_index):
-            fn(grid, block, tuple(args), stream=self._stream(device_index))
+        index = device_index(device)
+        fn = self.function(name, dtype, index)
+        with import_cupy().cuda.Device(index):
+            fn(grid, block, tuple(args), stream=self._stream(index))
 
 
 _cupy_launcher: CupyLauncher | None = None
@@ -185,10 +195,10 @@ def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -
     """Compile and load every kernel for ``device`` and ``dtypes`` now, e.g.
     before CUDA graph capture (no module may load during capture). Returns
     the number of kernels ready."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     launcher = cupy_launcher()
     count = 0
     for dtype in dtypes:

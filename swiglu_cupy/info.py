@@ -29,15 +29,12 @@ def collect() -> dict:
         "cuda_header_dirs": [str(d) for d in cuda_include_dirs()],
         "strict": strict_mode(),
     }
-    try:
+    try:  # the same check that decides between kernels and fallback at run time
         cupy = import_cupy()
+        from cupy_backends.cuda.libs import nvrtc
+
         info["cupy"] = cupy.__version__
-        try:
-            from cupy_backends.cuda.libs import nvrtc
-            info["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
-        except Exception as exc:
-            info["nvrtc"] = None
-            info["nvrtc_error"] = f"{type(exc).__name__}: {exc}"
+        info["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
     except CudaUnavailableError as exc:
         info["cupy"] = None
         info["cupy_error"] = str(exc.__cause__ or exc)
@@ -45,10 +42,9 @@ def collect() -> dict:
     probe = cache if cache.exists() else cache.parent
     info["cupy_cache_dir"] = str(cache)
     info["cupy_cache_writable"] = probe.exists() and os.access(probe, os.W_OK)
-    kernels_ok = info.get("cupy") is not None and info.get("nvrtc") is not None
     if not info["cuda_available"]:
         info["cuda_path"] = "no CUDA device: CPU tensors use the torch implementation (fp32 math)"
-    elif kernels_ok:
+    elif info["cupy"] is not None:
         info["cuda_path"] = "CUDA tensors run the CuPy kernels"
     elif info["strict"]:
         info["cuda_path"] = f"CUDA tensors will raise (SWIGLU_CUPY_STRICT is set). Fix: {INSTALL_HINT}"

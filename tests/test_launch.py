@@ -241,3 +241,23 @@ def test_info_without_cupy_names_the_fix(monkeypatch):
     state = info.collect()
     assert state["cupy"] is None and "No module named 'cupy'" in state["cupy_error"]
     assert "fall back" in state["cuda_path"] and "swiglu-cupy[cuda13]" in state["cuda_path"]
+
+
+def test_unloadable_nvrtc_falls_back_like_missing_cupy(monkeypatch):
+    """NVRTC that cannot load is caught when CuPy is first needed, not at the first compile."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    def broken():
+        raise OSError("libnvrtc.so.13: cannot open shared object file")
+
+    monkeypatch.setattr(nvrtc, "getVersion", broken)
+    monkeypatch.setattr(_launch, "_fallback_warned", False)
+    monkeypatch.delenv("SWIGLU_CUPY_STRICT", raising=False)
+    _launch.import_cupy.cache_clear()
+    try:
+        with pytest.raises(_launch.CudaUnavailableError, match="NVRTC.*libnvrtc"):
+            _launch.import_cupy()
+        with pytest.warns(RuntimeWarning, match=r"swiglu-cupy\[cuda12\]"):
+            assert _launch.cuda_kernels_available() is False
+    finally:
+        _launch.import_cupy.cache_clear()
