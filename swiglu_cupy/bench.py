@@ -244,10 +244,13 @@ class EagerHF(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-    def load(self, wg, wu, wd) -> None:
-        self.gate_proj.weight.copy_(wg)
-        self.up_proj.weight.copy_(wu)
-        self.down_proj.weight.copy_(wd)
+
+def _load_gate_up_down(module: nn.Module, weights) -> nn.Module:
+    """Copy (gate, up, down) into a module with HF-style gate_proj/up_proj/down_proj."""
+    with torch.no_grad():
+        for name, w in zip(("gate_proj", "up_proj", "down_proj"), weights):
+            getattr(module, name).weight.copy_(w)
+    return module
 
 
 class EagerPacked(nn.Module):
@@ -259,11 +262,6 @@ class EagerPacked(nn.Module):
     def forward(self, x):
         gate, up = self.w12(x).chunk(2, dim=-1)
         return self.w3(F.silu(gate) * up)
-
-    def load(self, wg, wu, wd) -> None:
-        self.w12.weight[: wg.shape[0]].copy_(wg)
-        self.w12.weight[wg.shape[0]:].copy_(wu)
-        self.w3.weight.copy_(wd)
 
 
 def ours_implementation(device: torch.device) -> str:
@@ -281,21 +279,21 @@ def ours_implementation(device: torch.device) -> str:
 
 def build_module(name: str, D: int, H: int, dtype: torch.dtype, device: torch.device, weights):
     """The contender ``name`` on ``device`` holding ``weights`` = (gate, up, down)."""
-    wg, wu, wd = weights
-    if name in ("eager_hf", "torch_compile"):
+    def eager_hf():
         with torch.device(device):
-            m = EagerHF(D, H).to(dtype)
-        with torch.no_grad():
-            m.load(wg, wu, wd)
-        if name == "torch_compile":
-            torch._dynamo.reset()  # one compiled module at a time; no recompile limits
-            return torch.compile(m, dynamic=False)
-        return m
+            return _load_gate_up_down(EagerHF(D, H).to(dtype), weights)
+
+    if name == "eager_hf":
+        return eager_hf()
+    if name == "torch_compile":
+        torch._dynamo.reset()  # one compiled module at a time; no recompile limits
+        return torch.compile(eager_hf(), dynamic=False)
     if name == "eager_packed":
         with torch.device(device):
             m = EagerPacked(D, H).to(dtype)
         with torch.no_grad():
-            m.load(wg, wu, wd)
+            m.w12.weight.copy_(torch.cat(weights[:2]))
+            m.w3.weight.copy_(weights[2])
         return m
     if name == "liger":
         try:
@@ -306,23 +304,14 @@ def build_module(name: str, D: int, H: int, dtype: torch.dtype, device: torch.de
             raise Unavailable("Liger-Kernel runs Triton kernels, which need a CUDA device")
         config = types.SimpleNamespace(hidden_size=D, intermediate_size=H, hidden_act="silu")
         with torch.device(device):
-            m = LigerSwiGLUMLP(config).to(dtype)
-        with torch.no_grad():
-            m.gate_proj.weight.copy_(wg)
-            m.up_proj.weight.copy_(wu)
-            m.down_proj.weight.copy_(wd)
-        return m
+            return _load_gate_up_down(LigerSwiGLUMLP(config).to(dtype), weights)
     if name == "swiglu_cupy":
         from .module import SwiGLU
         impl = ours_implementation(device)
         if impl.startswith("unavailable"):
             raise Unavailable(impl)
-        m = SwiGLU(D, H, bias=False, device=device, dtype=dtype)
-        with torch.no_grad():
-            m.w12.weight[:H].copy_(wg)
-            m.w12.weight[H:].copy_(wu)
-            m.w3.weight.copy_(wd)
-        return m
+        hf = eager_hf()
+        return SwiGLU.from_gate_up_down(hf.gate_proj, hf.up_proj, hf.down_proj)
     raise ValueError(f"unknown contender {name!r}")
 
 

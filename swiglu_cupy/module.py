@@ -84,18 +84,14 @@ class SwiGLU(nn.Module):
                              f"on requires_grad, got {gate.bias.requires_grad} and {up.bias.requires_grad}")
         # Built on the meta device (no init cost), then given the real values.
         module = cls(D, H, dw.shape[0], bias=gate.bias is not None, device="meta", dtype=gw.dtype, **kwargs)
-
-        def param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
-            return nn.Parameter(t, requires_grad=requires_grad)
-
         with torch.no_grad():
-            module.w12.weight = param(torch.cat([gw.detach(), uw.detach()]), gw.requires_grad)
+            module.w12.weight = nn.Parameter(torch.cat([gw.detach(), uw.detach()]), gw.requires_grad)
             if gate.bias is not None:
-                module.w12.bias = param(torch.cat([gate.bias.detach(), up.bias.detach()]),
-                                        gate.bias.requires_grad)
-            module.w3.weight = param(dw.detach().clone(), dw.requires_grad)
+                module.w12.bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]),
+                                               gate.bias.requires_grad)
+            module.w3.weight = nn.Parameter(dw.detach().clone(), dw.requires_grad)
             module.w3.bias = (None if down.bias is None
-                              else param(down.bias.detach().clone(), down.bias.requires_grad))
+                              else nn.Parameter(down.bias.detach().clone(), down.bias.requires_grad))
         return module
 
     def to_gate_up_down(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
