@@ -1,5 +1,9 @@
+import contextlib
+
 import pytest
 import torch
+
+from swiglu_cupy import primitives
 
 from swiglu_cupy.testing.host_exec import HostLauncher
 
@@ -25,6 +29,19 @@ def host_launcher():
     launcher = HostLauncher()
     launcher.warm(DTYPES_ALL)
     return launcher
+
+
+@contextlib.contextmanager
+def primitives_on_host_kernels(launcher):
+    """Route every primitive call (CPU tensors included) through the kernel
+    path with ``launcher``: the whole Function then runs the .cu kernels."""
+    saved = primitives._use_kernels, primitives.kernels.cupy_launcher
+    primitives._use_kernels = lambda *a: True
+    primitives.kernels.cupy_launcher = lambda: launcher
+    try:
+        yield
+    finally:
+        primitives._use_kernels, primitives.kernels.cupy_launcher = saved
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:

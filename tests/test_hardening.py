@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 import swiglu_cupy as sc
 from swiglu_cupy import primitives
-from conftest import UNIT_ROUNDOFF, assert_nontrivial, rel_rms, swiglu_fp64_reference
+from conftest import (UNIT_ROUNDOFF, assert_nontrivial, primitives_on_host_kernels, rel_rms,
+                      swiglu_fp64_reference)
 
 D, H, O = 16, 24, 8
 REL_RMS_BOUND = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}
@@ -102,12 +103,13 @@ def test_cpu_cuda_mix_is_rejected():
 
 
 @pytest.fixture(params=["torch", "host_kernels"])
-def path(request, monkeypatch, host_launcher):
+def path(request, host_launcher):
     """Run the CPU tests through the torch primitives or the host-executed kernels."""
-    if request.param == "host_kernels":
-        monkeypatch.setattr(primitives, "_use_kernels", lambda *a: True)
-        monkeypatch.setattr(primitives.kernels, "cupy_launcher", lambda: host_launcher)
-    return request.param
+    if request.param == "torch":
+        yield request.param
+        return
+    with primitives_on_host_kernels(host_launcher):
+        yield request.param
 
 
 def _check_against_reference(x, params, dtype):
@@ -319,21 +321,11 @@ def test_property_host_kernels_match_reference(host_launcher, M, hidden, dim, dt
     w12, w3 = (rnd(2 * hidden, dim) / dim**0.5).to(dtype), (rnd(4, hidden) / hidden**0.5).to(dtype)
     b12 = rnd(2 * hidden).to(dtype) if bias12 else None
     b3 = rnd(4).to(dtype) if bias3 else None
-    y = primitives_patched_swiglu(host_launcher, x, w12, b12, w3, b3)
+    with primitives_on_host_kernels(host_launcher):
+        y = sc.swiglu(x, w12, b12, w3, b3)
     ref = swiglu_fp64_reference(x, w12, b12, w3, b3)
     bound = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}[dtype]
     assert rel_rms(y, ref) < bound or ref.abs().max() < 1e-6
-
-
-def primitives_patched_swiglu(launcher, *args):
-    """sc.swiglu with the host-executed kernels as its primitives."""
-    saved = primitives._use_kernels, primitives.kernels.cupy_launcher
-    primitives._use_kernels = lambda *a: True
-    primitives.kernels.cupy_launcher = lambda: launcher
-    try:
-        return sc.swiglu(*args)
-    finally:
-        primitives._use_kernels, primitives.kernels.cupy_launcher = saved
 
 
 @pytest.mark.gpu

@@ -7,7 +7,8 @@ import torch
 import swiglu_cupy
 from swiglu_cupy import primitives
 from swiglu_cupy.primitives import kernels
-from conftest import DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, rel_rms, swiglu_fp64_reference
+from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, primitives_on_host_kernels, rel_rms,
+                      swiglu_fp64_reference)
 
 def _check(x12, dh, h=None, dx12=None):
     """Kernel outputs against the torch implementation: both round one
@@ -108,16 +109,15 @@ def test_empty_batch_launches_nothing(host_launcher):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_whole_function_with_host_kernels(host_launcher, monkeypatch, dtype):
+def test_whole_function_with_host_kernels(host_launcher, dtype):
     """SwiGLUFunction end to end with the kernels (host-executed) as primitives."""
-    monkeypatch.setattr(primitives, "_use_kernels", lambda *a: True)
-    monkeypatch.setattr(primitives.kernels, "cupy_launcher", lambda: host_launcher)
     torch.manual_seed(0)
     m = swiglu_cupy.SwiGLU(32, 48, 24, dtype=dtype)
     x = torch.randn(3, 5, 32, dtype=dtype, requires_grad=True)
     host_launcher.launches.clear()
-    y = m(x)
-    y.backward(torch.ones_like(y))
+    with primitives_on_host_kernels(host_launcher):
+        y = m(x)
+        y.backward(torch.ones_like(y))
     assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec", "swiglu_backward_vec"]
     ref = swiglu_fp64_reference(x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)
     bound = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
