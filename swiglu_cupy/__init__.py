@@ -6,7 +6,7 @@ Layers: ``primitives`` (elementwise forward/backward, CUDA kernels + torch),
 """
 from ._launch import warmup
 from ._version import __version__
-from .interface import SwiGLUFunction, swiglu, swiglu_reference
+from .interface import SwiGLUFunction, swiglu, swiglu_reference, swiglu_unpacked
 from .module import SwiGLU
 
-__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference", "warmup"]
+__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference", "swiglu_unpacked", "warmup"]

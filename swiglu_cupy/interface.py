@@ -23,7 +23,7 @@ from torch.autograd.function import once_differentiable
 from . import ops
 from ._sources import SUPPORTED_DTYPES
 
-__all__ = ["SwiGLUFunction", "swiglu", "swiglu_reference"]
+__all__ = ["SwiGLUFunction", "swiglu", "swiglu_unpacked", "swiglu_reference"]
 
 
 def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -34,49 +34,84 @@ def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.addmm(bias, inp, weight.t(), out=out)
 
 
+def _tracing() -> bool:
+    """torch.compile / torch.export / ONNX export is tracing this call: use
+    functional (out=-free) ops, which every tracer and exported graph handles."""
+    return torch.compiler.is_compiling()
+
+
+def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
+    """x12 = [gate | up] as one [M, 2H] tensor. Packed weights (``w2 is None``:
+    ``w1`` is w12) take one GEMM; separate ones write their halves of one
+    buffer, so no weight is ever concatenated."""
+    if w2 is None:
+        return _linear_2d(x2d, w1, b1)
+    if _tracing():
+        return torch.cat([_linear_2d(x2d, w1, b1), _linear_2d(x2d, w2, b2)], dim=1)
+    H = w1.shape[0]
+    x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
+    _linear_2d(x2d, w1, b1, out=x12[:, :H])
+    _linear_2d(x2d, w2, b2, out=x12[:, H:])
+    return x12
+
+
+def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape) -> torch.Tensor:
+    """y = h @ w3.T + b3 in ``out_shape``, allocated in that shape (not a view,
+    which FSDP2 warns about) outside tracing."""
+    if _tracing():
+        return _linear_2d(h, w3, b3).view(out_shape)
+    y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
+    _linear_2d(h, w3, b3, out=y.view(-1, w3.shape[0]))
+    return y
+
+
 class SwiGLUFunction(torch.autograd.Function):
     """Fused SwiGLU: 3 GEMMs forward, 4 GEMMs + one elementwise pass backward.
 
-    ``apply(x, w12, b12, w3, b3, recompute_gate_up=False, inplace_backward=False,
-    inference=False)`` (positional):
+    ``apply(x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward,
+    inference) -> (y, x12)`` (positional; ``swiglu`` and ``swiglu_unpacked``
+    are the public entry points and return ``y`` alone):
+    - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
+      and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
     - ``recompute_gate_up``: save only x and recompute x12 in backward (one
       extra GEMM, D instead of D + 2H saved elements per token).
     - ``inplace_backward``: write dx12 over the saved x12 (one [M, 2H] buffer
       less); the graph can then be backpropagated only once.
     - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
-    With grad disabled (no_grad / inference_mode) h is written over the gate
-    half of x12 and the down projection reads that strided view: nothing is
-    allocated besides x12 and the output, and nothing is saved.
+      Then h is written over the gate half of x12 and the down projection
+      reads that strided view: nothing is allocated besides x12 and y.
+    The second output ``x12`` is returned only so that ``setup_context`` can
+    save it (torch.func requires saved tensors to be inputs or outputs); it is
+    non-differentiable and its content is unspecified after ``inference``.
     """
 
     @staticmethod
-    def forward(ctx, x, w12, b12, w3, b3, recompute_gate_up=False, inplace_backward=False,
+    def forward(x, w1, b1, w2, b2, w3, b3, recompute_gate_up=False, inplace_backward=False,
                 inference=False):
-        D, O = x.shape[-1], w3.shape[0]
-        x2d = x.reshape(-1, D)
-        x12 = _linear_2d(x2d, w12, b12)                       # [M, 2H]
+        x12 = _gate_up(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)         # [M, 2H]
         # `inference` comes from the caller's grad mode (forward itself runs
         # without grad), never from requires_grad: checkpoint recomputes, which
         # run with grad enabled, always take the saving path.
         h = ops.forward_inplace(x12) if inference else ops.forward(x12)
-        # Allocate y in its final shape so the output is not a view.
-        y = torch.empty((*x.shape[:-1], O), dtype=x12.dtype, device=x.device)
-        _linear_2d(h, w3, b3, out=y.view(-1, O))
+        return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0])), x12
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward, inference = inputs
+        ctx.mark_non_differentiable(output[1])
         if inference:
-            return y  # no graph is recorded, so nothing can be saved
+            return  # no graph is recorded under no_grad, so nothing can be saved
         if recompute_gate_up:
-            ctx.save_for_backward(x2d, w12, b12, w3)
+            ctx.save_for_backward(x, w1, b1, w2, b2, w3)
         else:
-            ctx.save_for_backward(x2d, w12, w3, x12)
-        ctx.x_shape = x.shape
+            ctx.save_for_backward(x, w1, w2, w3, output[1])
         ctx.recompute_gate_up = recompute_gate_up
         ctx.inplace_backward = inplace_backward
         ctx.backward_done = False
-        return y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy, *_):
+    def backward(ctx, dy, _dx12_unused):
         if ctx.inplace_backward and ctx.backward_done:
             raise RuntimeError(
                 "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
@@ -84,29 +119,75 @@ class SwiGLUFunction(torch.autograd.Function):
                 "cannot run. Use inplace_backward=False to backpropagate more than once.")
         ctx.backward_done = True
         if ctx.recompute_gate_up:
-            x2d, w12, b12, w3 = ctx.saved_tensors
-            x12 = _linear_2d(x2d, w12, b12)                    # extra GEMM
+            x, w1, b1, w2, b2, w3 = ctx.saved_tensors
+            x2d = x.reshape(-1, x.shape[-1])
+            x12 = _gate_up(x2d, w1, b1, w2, b2)                           # extra GEMM
         else:
-            x2d, w12, w3, x12 = ctx.saved_tensors
-        need_x, need_w12, need_b12, need_w3, need_b3 = ctx.needs_input_grad[:5]
+            x, w1, w2, w3, x12 = ctx.saved_tensors
+            x2d = x.reshape(-1, x.shape[-1])
+        need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = ctx.needs_input_grad[:7]
         dy2d = dy.reshape(-1, w3.shape[0])
-        dh = torch.mm(dy2d, w3)                                 # GEMM 1
-        # In-place reuse is always safe for the recomputed x12 (nobody else holds it).
-        inplace = ctx.inplace_backward or ctx.recompute_gate_up
-        dx12, h = ops.backward(x12, dh, inplace)                # one fused pass
-        dx = dw12 = db12 = dw3 = db3 = None
+        dh = torch.mm(dy2d, w3)                                            # GEMM 1
+        # In-place reuse is always safe for the recomputed x12 (nobody else
+        # holds it), but not under torch.func, where dh may carry a vmap batch.
+        inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not ops.is_transformed(dh)
+        dx12, h = ops.backward(x12, dh, inplace)                           # one fused pass
+        dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
+        H = dh.shape[1]
         if need_x:
-            dx = torch.empty(ctx.x_shape, dtype=dx12.dtype, device=dx12.device)
-            torch.mm(dx12, w12, out=dx.view(-1, x2d.shape[1]))   # GEMM 2
-        if need_w12:
-            dw12 = torch.mm(dx12.t(), x2d)                      # GEMM 3
-        if need_b12:
+            dx = _input_grad(dx12, w1, w2, x.shape)                        # GEMM 2
+        if need_w1 or need_w2:
+            dw12 = torch.mm(dx12.t(), x2d)                                 # GEMM 3
+            dw1, dw2 = (dw12, None) if w2 is None else (dw12[:H], dw12[H:])
+        if need_b1 or need_b2:
             db12 = dx12.sum(0)
+            db1, db2 = (db12, None) if w2 is None else (db12[:H], db12[H:])
         if need_w3:
-            dw3 = torch.mm(dy2d.t(), h)                         # GEMM 4
+            dw3 = torch.mm(dy2d.t(), h)                                    # GEMM 4
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw12, db12, dw3, db3, None, None, None
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *modes):
+        return _vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), modes)
+
+
+def _input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
+    """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation)."""
+    D = w1.shape[1]
+    H = dx12.shape[1] // 2
+    if _tracing():
+        dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
+        return dx.view(x_shape)
+    dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
+    dx2d = dx.view(-1, D)
+    if w2 is None:
+        torch.mm(dx12, w1, out=dx2d)
+    else:
+        torch.mm(dx12[:, :H], w1, out=dx2d)
+        dx2d.addmm_(dx12[:, H:], w2)
+    return dx
+
+
+def _vmap_rule(info, in_dims, tensors, modes):
+    """torch.func.vmap of SwiGLUFunction. A batch of inputs with shared
+    weights folds into the token rows: one call, one launch per kernel. Batched
+    weights (ensembles) run one call per member (the documented slower path)."""
+    x, *weights = tensors
+    x_dim, *weight_dims = in_dims
+    if all(d is None for d in weight_dims):
+        if x_dim is None:
+            x = x.expand(info.batch_size, *x.shape)
+        else:
+            x = x.movedim(x_dim, 0)
+        y, x12 = SwiGLUFunction.apply(x, *weights, *modes)
+        return (y, x12.view(info.batch_size, -1, x12.shape[-1])), (0, 0)
+    members = []
+    for i in range(info.batch_size):
+        pick = lambda t, d: t if t is None or d is None else t.select(d, i)  # noqa: E731
+        members.append(SwiGLUFunction.apply(*(pick(t, d) for t, d in zip(tensors, in_dims)), *modes))
+    return tuple(torch.stack(outs) for outs in zip(*members)), (0, 0)
 
 
 def _check_tensor(name: str, t, optional: bool = False) -> None:
@@ -139,9 +220,27 @@ def _check_shapes(x, w12, b12, w3, b3) -> None:
     if D != x.shape[-1]:
         raise ValueError(f"w12 must be [2H, D] with D = x.shape[-1] = {x.shape[-1]}, "
                          f"got shape {tuple(w12.shape)}")
-    H = rows // 2
     if b12 is not None and tuple(b12.shape) != (rows,):
         raise ValueError(f"b12 must have shape ({rows},) = (2H,), got {tuple(b12.shape)}")
+    _check_down(w3, b3, rows // 2)
+
+
+def _check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3) -> None:
+    if x.dim() < 1:
+        raise ValueError("x must have shape [..., D], got a 0-d tensor")
+    D = x.shape[-1]
+    if w1.dim() != 2 or w1.shape[0] < 1 or w1.shape[1] != D:
+        raise ValueError(f"w1 must be 2-D [H, D] with D = x.shape[-1] = {D}, got shape {tuple(w1.shape)}")
+    H = w1.shape[0]
+    if tuple(w2.shape) != (H, D):
+        raise ValueError(f"w2 must have the shape of w1 [H, D] = {(H, D)}, got {tuple(w2.shape)}")
+    for name, b in (("b1", b1), ("b2", b2)):
+        if b is not None and tuple(b.shape) != (H,):
+            raise ValueError(f"{name} must have shape ({H},) = (H,), got {tuple(b.shape)}")
+    _check_down(w3, b3, H)
+
+
+def _check_down(w3, b3, H: int) -> None:
     if w3.dim() != 2 or w3.shape[1] != H:
         raise ValueError(f"w3 must be 2-D [O, H] with H = {H}, got shape {tuple(w3.shape)}")
     if b3 is not None and tuple(b3.shape) != (w3.shape[0],):
@@ -156,6 +255,33 @@ def _check_same(tensors: dict, attr: str, error) -> None:
                         f"got {getattr(t, attr)}")
 
 
+def _check_flags(**flags) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
+def _reject_jit() -> None:
+    if torch.jit.is_tracing() or torch.jit.is_scripting():
+        raise RuntimeError(
+            "swiglu_cupy does not support TorchScript (torch.jit.trace / torch.jit.script): its "
+            "kernels run from Python. Use torch.export.export (or torch.compile) instead.")
+
+
+def _apply(tensors: dict, args: list, modes: tuple) -> torch.Tensor:
+    """The one call into SwiGLUFunction. ``tensors`` names the user's
+    arguments (for errors), ``args`` are the Function's tensor inputs. Under
+    autocast every input is cast to the autocast dtype, like nn.Linear."""
+    device_type = tensors["x"].device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        cast = [None if t is None else t.to(dtype) for t in args]
+        with torch.autocast(device_type=device_type, enabled=False):
+            return SwiGLUFunction.apply(*cast, *modes)[0]
+    _check_same(tensors, "dtype", TypeError)
+    return SwiGLUFunction.apply(*args, *modes)[0]
+
+
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
            w3: torch.Tensor, b3: torch.Tensor | None, *,
            recompute_gate_up: bool = False, inplace_backward: bool = False) -> torch.Tensor:
@@ -165,23 +291,36 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     ``SwiGLUFunction``. Under ``torch.autocast`` the inputs are cast to the autocast dtype (as
     ``nn.Linear`` does), and the gradients flow back in each input's dtype.
     """
+    _reject_jit()
     tensors = {"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}
     for name, t in tensors.items():
         _check_tensor(name, t, optional=name in ("b12", "b3"))
     _check_same(tensors, "device", ValueError)
     _check_shapes(x, w12, b12, w3, b3)
-    for name, flag in (("recompute_gate_up", recompute_gate_up), ("inplace_backward", inplace_backward)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    modes = (recompute_gate_up, inplace_backward, not torch.is_grad_enabled())
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-        cast = [None if t is None else t.to(dtype) for t in tensors.values()]
-        with torch.autocast(device_type=device_type, enabled=False):
-            return SwiGLUFunction.apply(*cast, *modes)
-    _check_same(tensors, "dtype", TypeError)
-    return SwiGLUFunction.apply(x, w12, b12, w3, b3, *modes)
+    _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    return _apply(tensors, [x, w12, b12, None, None, w3, b3],
+                  (recompute_gate_up, inplace_backward, not torch.is_grad_enabled()))
+
+
+def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                    w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor,
+                    b3: torch.Tensor | None, *, recompute_gate_up: bool = False,
+                    inplace_backward: bool = False) -> torch.Tensor:
+    """``swiglu`` with separate gate (``w1 [H, D]``, ``b1``) and up (``w2``,
+    ``b2``) projections: ``w3(silu(x @ w1.T + b1) * (x @ w2.T + b2)) + b3``.
+
+    The two GEMMs write the halves of one x12 buffer, so the weights are never
+    concatenated; the same Function, kernels and guarantees as ``swiglu``.
+    """
+    _reject_jit()
+    tensors = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3}
+    for name, t in tensors.items():
+        _check_tensor(name, t, optional=name in ("b1", "b2", "b3"))
+    _check_same(tensors, "device", ValueError)
+    _check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
+    _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    return _apply(tensors, list(tensors.values()),
+                  (recompute_gate_up, inplace_backward, not torch.is_grad_enabled()))
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,

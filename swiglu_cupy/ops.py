@@ -1,20 +1,40 @@
-"""The primitives as registered torch ops, so torch.compile sees opaque calls
-with known output shapes (``torch.ops.swiglu_cupy.*``).
+"""The primitives as registered torch ops (``torch.ops.swiglu_cupy.*``), the
+view that tracers and program transforms get of them.
 
-Each op wraps one plain function below. Eager calls use that function
-directly (the custom-op dispatcher costs ~13 us per call), compiled code calls
-the op: one implementation either way.
+Each op wraps one plain function below, so there is one implementation:
+- eager calls use the plain function directly (the custom-op dispatcher
+  costs ~13 us per call);
+- torch.compile / torch.export trace the op: it stays in the graph as
+  ``torch.ops.swiglu_cupy.*`` and runs our kernels (fake impls give shapes);
+- torch.func (vmap, grad, jacrev) reaches the op whenever a tensor carries a
+  transform: each op has a vmap rule that folds the batch into the rows (one
+  launch), and the out-of-place ops have autograd formulas, so an exported
+  program stays differentiable;
+- ONNX export gets plain aten math (``reference_torch``), which maps to
+  standard ONNX operators; ``aten_decompositions()`` gives the same to any
+  consumer of an ``ExportedProgram`` that needs aten ops only.
 """
 from __future__ import annotations
 
 import torch
 
 from . import primitives
+from .primitives import reference_torch
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def is_transformed(t: torch.Tensor) -> bool:
+    """True if ``t`` is wrapped by a torch.func transform (vmap/grad level).
+    Tracers see through such wrappers (and cannot call this check)."""
+    return not torch.compiler.is_compiling() and _is_wrapped(t)
 
 
 def _gate_half(x12: torch.Tensor) -> torch.Tensor:
     return x12[:, : x12.shape[1] // 2]
 
+
+# ---- plain bodies (one implementation each) -------------------------------------------------
 
 def _forward(x12: torch.Tensor) -> torch.Tensor:
     return primitives.swiglu_forward(x12)
@@ -34,12 +54,27 @@ def _backward_inplace(x12: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     return primitives.swiglu_backward(x12, dh, dx12_out=x12)[1]
 
 
-swiglu_forward_op = torch.library.custom_op("swiglu_cupy::swiglu_forward", _forward, mutates_args=())
-swiglu_forward_inplace_op = torch.library.custom_op(
-    "swiglu_cupy::swiglu_forward_inplace", _forward_inplace, mutates_args=("x12",))
-swiglu_backward_op = torch.library.custom_op("swiglu_cupy::swiglu_backward", _backward, mutates_args=())
-swiglu_backward_inplace_op = torch.library.custom_op(
-    "swiglu_cupy::swiglu_backward_inplace", _backward_inplace, mutates_args=("x12",))
+def _silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return primitives.silu_mul_forward(gate, up)
+
+
+def _silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    return primitives.silu_mul_backward(gate, up, dh)
+
+
+# ---- registration ---------------------------------------------------------------------------
+
+def _op(name: str, fn, mutates=()):
+    return torch.library.custom_op(f"swiglu_cupy::{name}", fn, mutates_args=mutates)
+
+
+swiglu_forward_op = _op("swiglu_forward", _forward)
+swiglu_forward_inplace_op = _op("swiglu_forward_inplace", _forward_inplace, ("x12",))
+swiglu_backward_op = _op("swiglu_backward", _backward)
+swiglu_backward_inplace_op = _op("swiglu_backward_inplace", _backward_inplace, ("x12",))
+silu_mul_forward_op = _op("silu_mul_forward", _silu_mul_forward)
+silu_mul_backward_op = _op("silu_mul_backward", _silu_mul_backward)
 
 
 @swiglu_forward_op.register_fake
@@ -62,18 +97,130 @@ def _(x12, dh):
     return dh.new_empty(dh.shape)
 
 
+@silu_mul_forward_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@silu_mul_backward_op.register_fake
+def _(gate, up, dh):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+# Autograd formulas: used only where the ops are differentiated as ops (an
+# exported program run with grad); SwiGLUFunction/SiluMulFunction own eager
+# and compiled autograd.
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_forward_grad(ctx, dh):
+    (x12,) = ctx.saved_tensors
+    return swiglu_backward_op(x12, dh)[0]
+
+
+def _silu_mul_forward_grad(ctx, dh):
+    gate, up = ctx.saved_tensors
+    return silu_mul_backward_op(gate, up, dh)
+
+
+swiglu_forward_op.register_autograd(_swiglu_forward_grad, setup_context=_save_inputs)
+silu_mul_forward_op.register_autograd(_silu_mul_forward_grad, setup_context=_save_inputs)
+
+
+def _rows_with_batch(info, t: torch.Tensor, dim) -> torch.Tensor:
+    """[M, C] with a vmap batch at ``dim`` (or none) -> [B * M, C], batch first."""
+    t = t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+    return t.reshape(-1, t.shape[-1])
+
+
+def _fold_rows(op, n_out: int):
+    """vmap rule: fold the batch into the rows, one call of ``op``."""
+    def rule(info, in_dims, *tensors):
+        rows = [_rows_with_batch(info, t, d) for t, d in zip(tensors, in_dims)]
+        out = op(*rows)
+        if n_out == 1:
+            return out.view(info.batch_size, -1, out.shape[-1]), 0
+        return tuple(o.view(info.batch_size, -1, o.shape[-1]) for o in out), (0,) * n_out
+    return rule
+
+
+swiglu_forward_op.register_vmap(_fold_rows(swiglu_forward_op, 1))
+swiglu_backward_op.register_vmap(_fold_rows(swiglu_backward_op, 2))
+silu_mul_forward_op.register_vmap(_fold_rows(silu_mul_forward_op, 1))
+silu_mul_backward_op.register_vmap(_fold_rows(silu_mul_backward_op, 2))
+
+
+def aten_decompositions() -> dict:
+    """``{op: aten implementation}`` for every op above, for
+    ``ExportedProgram.run_decompositions(table)`` when a consumer needs plain
+    aten ops (the torch implementation of the primitives: same math, same
+    single rounding)."""
+    ops = torch.ops.swiglu_cupy
+
+    def forward_inplace(x12):
+        _gate_half(x12).copy_(reference_torch.swiglu_forward(x12))
+
+    def backward_inplace(x12, dh):
+        dx12, h = reference_torch.swiglu_backward(x12, dh)
+        x12.copy_(dx12)
+        return h
+
+    return {
+        ops.swiglu_forward.default: reference_torch.swiglu_forward,
+        ops.swiglu_forward_inplace.default: forward_inplace,
+        ops.swiglu_backward.default: reference_torch.swiglu_backward,
+        ops.swiglu_backward_inplace.default: backward_inplace,
+        ops.silu_mul_forward.default: reference_torch.silu_mul_forward,
+        ops.silu_mul_backward.default: reference_torch.silu_mul_backward,
+    }
+
+
+# ---- dispatch: plain function, registered op, or aten math ----------------------------------
+
+def _route(*tensors: torch.Tensor) -> str:
+    if torch.compiler.is_compiling():
+        # ONNX has no operator for ours: hand it aten math it can translate.
+        return "aten" if torch.onnx.is_in_onnx_export() else "op"
+    return "op" if any(_is_wrapped(t) for t in tensors) else "eager"
+
+
 def forward(x12: torch.Tensor) -> torch.Tensor:
-    return (swiglu_forward_op if torch.compiler.is_compiling() else _forward)(x12)
+    route = _route(x12)
+    if route == "aten":
+        return reference_torch.swiglu_forward(x12)
+    return (swiglu_forward_op if route == "op" else _forward)(x12)
 
 
 def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
     """h written over the gate half of x12; returns that strided [M, H] view."""
-    (swiglu_forward_inplace_op if torch.compiler.is_compiling() else _forward_inplace)(x12)
+    route = _route(x12)
+    if route == "aten":
+        return reference_torch.swiglu_forward(x12)  # functional: nothing to save there
+    (swiglu_forward_inplace_op if route == "op" else _forward_inplace)(x12)
     return _gate_half(x12)
 
 
 def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    compiling = torch.compiler.is_compiling()
+    route = _route(x12, dh)
+    if route == "aten":
+        return reference_torch.swiglu_backward(x12, dh)
+    use_op = route == "op"
     if inplace:
-        return x12, (swiglu_backward_inplace_op if compiling else _backward_inplace)(x12, dh)
-    return (swiglu_backward_op if compiling else _backward)(x12, dh)
+        return x12, (swiglu_backward_inplace_op if use_op else _backward_inplace)(x12, dh)
+    return (swiglu_backward_op if use_op else _backward)(x12, dh)
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    route = _route(gate, up)
+    if route == "aten":
+        return reference_torch.silu_mul_forward(gate, up)
+    return (silu_mul_forward_op if route == "op" else _silu_mul_forward)(gate, up)
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    route = _route(gate, up, dh)
+    if route == "aten":
+        return reference_torch.silu_mul_backward(gate, up, dh)
+    return (silu_mul_backward_op if route == "op" else _silu_mul_backward)(gate, up, dh)
