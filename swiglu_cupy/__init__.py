@@ -6,7 +6,9 @@ Layers: ``primitives`` (elementwise forward/backward, CUDA kernels + torch),
 """
 from ._launch import warmup
 from ._version import __version__
-from .interface import SwiGLUFunction, swiglu, swiglu_reference, swiglu_unpacked
+from .interface import (SiluMulFunction, SwiGLUFunction, silu_mul, silu_mul_reference, swiglu,
+                        swiglu_reference, swiglu_unpacked)
 from .module import SwiGLU
 
-__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "swiglu", "swiglu_reference", "swiglu_unpacked", "warmup"]
+__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",
+           "swiglu_reference", "silu_mul", "silu_mul_reference", "warmup"]

@@ -16,6 +16,9 @@ forwards (the bug that broke xformers' fused op).
 """
 from __future__ import annotations
 
+import importlib
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
@@ -23,7 +26,8 @@ from torch.autograd.function import once_differentiable
 from . import ops
 from ._sources import SUPPORTED_DTYPES
 
-__all__ = ["SwiGLUFunction", "swiglu", "swiglu_unpacked", "swiglu_reference"]
+__all__ = ["SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked", "swiglu_reference",
+           "silu_mul", "silu_mul_reference"]
 
 
 def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -204,7 +208,7 @@ def _check_tensor(name: str, t, optional: bool = False) -> None:
     if t.is_meta:
         raise ValueError(f"{name} is a meta tensor (no data); materialize it first, e.g. "
                          "module.to_empty(device=...) and re-initialize the parameters")
-    if name != "x" and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    if name not in ("x", "gate", "up") and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
         raise ValueError(f"{name} is an expanded view (stride 0 along a dim of size > 1, strides "
                          f"{t.stride()}); pass a materialized tensor, e.g. {name}.contiguous()")
 
@@ -328,3 +332,84 @@ def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | Non
     """Slow eager reference with the same layout (three torch ops)."""
     gate, up = F.linear(x, w12, b12).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w3, b3)
+
+
+class SiluMulFunction(torch.autograd.Function):
+    """``h = silu(gate) * up`` for two tensors of one shape ``[..., H]``: one
+    fused kernel each way (fp32 math, one rounding). Saves its two inputs
+    only, whatever requires grad. Apply-only, like SwiGLUFunction."""
+
+    @staticmethod
+    def forward(gate, up):
+        return ops.silu_mul_forward(_rows(gate), _rows(up)).view(gate.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        dgate, dup = ops.silu_mul_backward(_rows(gate), _rows(up), _rows(dh))
+        return dgate.view(gate.shape), dup.view(up.shape)
+
+    @staticmethod
+    def vmap(info, in_dims, gate, up):
+        # Elementwise: give both the batch dim in front; the rows fold into one launch.
+        batched = [t.expand(info.batch_size, *t.shape) if d is None else t.movedim(d, 0)
+                   for t, d in zip((gate, up), in_dims)]
+        return SiluMulFunction.apply(*batched), 0
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> [M, H] (a view where possible; explicit M keeps H = 0 or M = 0 valid)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _from_dlpack_module(array):
+    """The array library of a DLPack-exporting ``array`` (numpy, cupy, ...),
+    used to hand the result back as the same kind of array."""
+    library = importlib.import_module(type(array).__module__.split(".")[0])
+    if not hasattr(library, "from_dlpack"):
+        raise TypeError(f"gate is a {type(array).__name__} that exports DLPack, but its library "
+                        f"{library.__name__} has no from_dlpack to receive the result")
+    return library
+
+
+def silu_mul(gate, up):
+    """Fused ``silu(gate) * up`` (SwiGLU's activation, for models whose
+    projections stay their own modules, e.g. LoRA or quantized layers).
+
+    ``gate`` and ``up``: one shape ``[..., H]``, one dtype (float16, bfloat16,
+    float32 or float64), one device. torch tensors go through the apply-only
+    ``SiluMulFunction`` (autograd, checkpointing, torch.compile, torch.func).
+    Any other array that exports DLPack (``__dlpack__``: NumPy on the CPU,
+    CuPy on a GPU) is read without a copy and the result comes back as the
+    same kind of array (no autograd there).
+    """
+    _reject_jit()
+    if not isinstance(gate, torch.Tensor) and hasattr(gate, "__dlpack__"):
+        if not hasattr(up, "__dlpack__") or isinstance(up, torch.Tensor):
+            raise TypeError(f"up must be a DLPack array like gate ({type(gate).__name__}), "
+                            f"got {type(up).__name__}")
+        library = _from_dlpack_module(gate)
+        h = silu_mul(torch.from_dlpack(gate), torch.from_dlpack(up))
+        return library.from_dlpack(h.detach())
+    tensors = {"gate": gate, "up": up}
+    for name, t in tensors.items():
+        _check_tensor(name, t)
+    if gate.dim() < 1:
+        raise ValueError("gate must have shape [..., H], got a 0-d tensor")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.device != gate.device:
+        raise ValueError(f"up must be on the device of gate ({gate.device}), got {up.device}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
+    return SiluMulFunction.apply(gate, up)
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Slow eager reference: ``F.silu(gate) * up`` (two torch ops)."""
+    return F.silu(gate) * up

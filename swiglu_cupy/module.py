@@ -35,6 +35,19 @@ class SwiGLU(nn.Module):
         self.w12 = nn.Linear(in_features, 2 * hidden_features, bias=bias, device=device, dtype=dtype)
         self.w3 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
 
+    def reset_parameters(self) -> None:
+        """Re-initialize ``w12`` and ``w3`` exactly as ``nn.Linear`` does (for
+        meta-device init: ``to_empty(device=...)`` then ``reset_parameters()``)."""
+        self.w12.reset_parameters()
+        self.w3.reset_parameters()
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first: fail with the supported path named,
+        # instead of a compiler error deep inside swiglu().
+        raise RuntimeError(
+            "SwiGLU cannot be compiled by torch.jit.script (its kernels run from Python). "
+            "Use torch.export.export (or torch.compile) instead.")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.w12.weight, self.w12.bias, self.w3.weight, self.w3.bias,
                       recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
