@@ -38,10 +38,11 @@ def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.addmm(bias, inp, weight.t(), out=out)
 
 
-def _tracing() -> bool:
-    """torch.compile / torch.export / ONNX export is tracing this call: use
-    functional (out=-free) ops, which every tracer and exported graph handles."""
-    return torch.compiler.is_compiling()
+def _functional(t: torch.Tensor) -> bool:
+    """Use out=-free ops: a tracer (torch.compile / torch.export / ONNX) records
+    this call, or ``t`` carries a torch.func transform (out= buffers cannot
+    hold a vmap batch)."""
+    return torch.compiler.is_compiling() or ops.is_transformed(t)
 
 
 def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
     buffer, so no weight is ever concatenated."""
     if w2 is None:
         return _linear_2d(x2d, w1, b1)
-    if _tracing():
+    if _functional(x2d):
         return torch.cat([_linear_2d(x2d, w1, b1), _linear_2d(x2d, w2, b2)], dim=1)
     H = w1.shape[0]
     x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
@@ -62,7 +63,7 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
 def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape) -> torch.Tensor:
     """y = h @ w3.T + b3 in ``out_shape``, allocated in that shape (not a view,
     which FSDP2 warns about) outside tracing."""
-    if _tracing():
+    if _functional(h):
         return _linear_2d(h, w3, b3).view(out_shape)
     y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
     _linear_2d(h, w3, b3, out=y.view(-1, w3.shape[0]))
@@ -161,7 +162,7 @@ def _input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tens
     """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation)."""
     D = w1.shape[1]
     H = dx12.shape[1] // 2
-    if _tracing():
+    if _functional(dx12):
         dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
         return dx.view(x_shape)
     dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
