@@ -228,6 +228,36 @@ def _case_fsdp2(rank, world, mixed_precision=False):
     return result
 
 
+def _case_fsdp2_meta_init(rank, world):
+    """FSDP2's large-model recipe: build on the meta device, shard, to_empty,
+    reset_parameters. Records the initialized full weights, then loads the
+    reference weights into the shards and trains."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    with torch.device("meta"):
+        model = Stack("non_reentrant")
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if isinstance(m, (sc.SwiGLU, nn.LayerNorm)):
+            m.reset_parameters()
+    initialized = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for (name, p), full in zip(model.named_parameters(), build_model().parameters()):
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+    x, target = local_batch(rank, world)
+
+    def full_grads(m):
+        return {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters()}
+
+    result = _train(model, x, target, full_grads)
+    result["initialized"] = initialized
+    return result
+
+
 def _case_fsdp2_view(rank, world):
     """Forward only: SwiGLU outputs under FSDP2, plus a positive control (a
     wrapped module that does return a view) proving the warning is caught."""
@@ -310,6 +340,8 @@ def _run_case(case, rank, world, device="cpu"):
         return _case_fsdp2(rank, world)
     if case == "fsdp2_bf16":
         return _case_fsdp2(rank, world, mixed_precision=True)
+    if case == "fsdp2_meta_init":
+        return _case_fsdp2_meta_init(rank, world)
     if case == "fsdp2_view":
         return _case_fsdp2_view(rank, world)
     if case == "ddp":
@@ -424,6 +456,22 @@ def test_fsdp2_checkpoint_input_without_grad(tmp_path, monkeypatch):
         assert_matches(result, ref)
         _no_view_warnings(result)
         assert result["views"] and not any(result["views"])
+
+
+def test_fsdp2_meta_init_to_empty_reset_parameters(tmp_path, monkeypatch):
+    """Meta-device build + fully_shard + to_empty + reset_parameters gives
+    nn.Linear-initialized SwiGLU weights, and the sharded model then trains
+    exactly like one process."""
+    import math
+
+    ref = reference_run()
+    for result in launch("fsdp2_meta_init", tmp_path, monkeypatch):
+        for name, w in result["initialized"].items():
+            assert torch.isfinite(w).all(), name
+            if name.startswith("blocks.") and name.endswith("weight"):
+                bound = 1 / math.sqrt(w.shape[1])  # nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                assert w.abs().max() <= bound and w.std() > bound / 4, name
+        assert_matches(result, ref)
 
 
 def test_fsdp2_checkpoint_bf16_mixed_precision(tmp_path, monkeypatch):
