@@ -49,23 +49,23 @@ def test_vector_path_when_aligned_scalar_path_otherwise(host_launcher, dtype):
     x12, dh = _inputs(6, H, dtype)
     host_launcher.launches.clear()
     primitives.swiglu_forward(x12, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_vec"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_vec_p1"
 
     # Same values at an odd storage offset: misaligned, so the scalar path.
     storage = torch.empty(x12.numel() + 1, dtype=dtype)
     shifted = storage[1:].view(6, 2 * H)
     shifted.copy_(x12)
     h = primitives.swiglu_forward(shifted, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar_p1"
     _check(x12, dh, h=h)
     dx12, _ = primitives.swiglu_backward(shifted, dh, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_backward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_backward_scalar_p1"
     _check(x12, dh, dx12=dx12)
 
     # H not a multiple of the vector width: scalar path.
     x12_odd, _ = _inputs(6, H + 1, dtype)
     primitives.swiglu_forward(x12_odd, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar_p1"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -118,7 +118,7 @@ def test_whole_function_with_host_kernels(host_launcher, dtype):
     with primitives_on_host_kernels(host_launcher):
         y = m(x)
         y.backward(torch.ones_like(y))
-    assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec", "swiglu_backward_vec"]
+    assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec_p1", "swiglu_backward_vec_p1"]
     ref = swiglu_fp64_reference(x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)
     bound = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
     assert rel_rms(y, ref) < bound
