@@ -262,3 +262,57 @@ def test_unloadable_nvrtc_falls_back_like_missing_cupy(monkeypatch):
             assert _launch.cuda_kernels_available() is False
     finally:
         _launch.import_cupy.cache_clear()
+
+
+def test_launch_config_validation_names_the_field():
+    from swiglu_cupy.launch_config import LaunchConfig
+
+    for kwargs, match in [({"packs_per_thread": 3}, "packs_per_thread must be one of the compiled"),
+                          ({"packs_per_thread": True}, "packs_per_thread"),
+                          ({"threads_per_block": 100}, "threads_per_block must be a multiple of 32"),
+                          ({"threads_per_block": 1024}, "threads_per_block must be a multiple of 32 in \\[32, 512\\]"),
+                          ({"grid_waves": 0}, "grid_waves must be None or a positive int")]:
+        with pytest.raises(ValueError, match=match):
+            LaunchConfig(**kwargs)
+    assert LaunchConfig(2, 128, 4).max_blocks(sm_count=132) == 4 * 132 * (2048 // 128)
+    assert LaunchConfig().max_blocks(sm_count=132) is None
+
+
+def test_using_launch_config_is_scoped_and_per_thread(host_launcher):
+    from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LaunchConfig, current_launch_config, using_launch_config
+
+    config = LaunchConfig(4, 128, 1)
+    seen_elsewhere = []
+    with using_launch_config(config):
+        assert current_launch_config() == config
+        worker = threading.Thread(target=lambda: seen_elsewhere.append(current_launch_config()))
+        worker.start()
+        worker.join()
+        host_launcher.launches.clear()
+        primitives.swiglu_forward(torch.randn(3, 16), launcher=host_launcher)
+        assert host_launcher.launches[-1][0] == "swiglu_forward_vec_p4"
+        assert host_launcher.launches[-1][2] == (32, 4, 1)
+    assert current_launch_config() == DEFAULT_LAUNCH and seen_elsewhere == [DEFAULT_LAUNCH]
+    with pytest.raises(TypeError, match="config must be a LaunchConfig"):
+        with using_launch_config((4, 128, 1)):
+            pass
+
+
+def test_sm_count_is_read_once_per_cuda_device(monkeypatch):
+    from swiglu_cupy.primitives import kernels
+
+    calls = []
+
+    def properties(index):
+        calls.append(index)
+        return types.SimpleNamespace(multi_processor_count=132)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    kernels._cuda_sm_count.cache_clear()
+    try:
+        assert kernels.sm_count(torch.device("cuda", 3)) == 132
+        assert kernels.sm_count(torch.device("cuda", 3)) == 132
+        assert calls == [3]
+        assert kernels.sm_count(torch.device("cpu")) == kernels.HOST_SM_COUNT
+    finally:
+        kernels._cuda_sm_count.cache_clear()
