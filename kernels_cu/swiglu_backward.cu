@@ -1,50 +1,56 @@
-// Backward primitive, one pass over x12 and dh:
+// Backward primitive, one pass over gate, up and dh:
 //   s = sigmoid(g)
 //   h  = g * s * u                     (recomputed, never saved by forward)
 //   du = dh * g * s
 //   dg = dh * u * s * (1 + g * (1 - s))
-// dx12 = [dg | du] uses the x12 layout. dx12 may alias x12 (opt-in in-place
-// backward): each thread reads g and u before writing the same positions.
+// dgate, dup and h are separate pointers with their own row strides (the
+// packed dx12 passes dgate = dx12, dup = dx12 + H); h == nullptr skips
+// storing h. dgate/dup may alias gate/up (opt-in in-place backward): each
+// thread loads its whole tile before storing to the same positions.
 #include "swiglu_common.cuh"
 
-template <int N>
-__device__ __forceinline__ void swiglu_backward_rows(
-    const scalar_t* x12, const scalar_t* dh, scalar_t* dx12, scalar_t* h,
-    index_t M, index_t H, index_t ld_x12, index_t ld_dh, index_t ld_dx12, index_t ld_h) {
-    const index_t col = pack_column<N>();
-    if (col >= H) return;
-    SWIGLU_FOR_EACH_ROW(row) {
-        const GateUp<N> in = load_gate_up<N>(x12, row, col, ld_x12, H);
-        const Pack<N> dout = load_pack<N>(dh + row * ld_dh + col);
-        Pack<N> dg, du, hv;
+template <int N, int PACKS>
+__device__ __forceinline__ void swiglu_backward_tiles(
+    const scalar_t* gate, const scalar_t* up, const scalar_t* dh,
+    scalar_t* dgate, scalar_t* dup, scalar_t* h,
+    index_t M, index_t H, index_t ld_gate, index_t ld_up, index_t ld_dh,
+    index_t ld_dgate, index_t ld_dup, index_t ld_h) {
+    SWIGLU_FOR_EACH_TILE(N, PACKS, row, col0) {
+        const Tile<N, PACKS> g = load_tile<N, PACKS>(gate + row * ld_gate, col0, H);
+        const Tile<N, PACKS> u = load_tile<N, PACKS>(up + row * ld_up, col0, H);
+        const Tile<N, PACKS> d = load_tile<N, PACKS>(dh + row * ld_dh, col0, H);
+        scalar_t* dgate_row = dgate + row * ld_dgate;
+        scalar_t* dup_row = dup + row * ld_dup;
 #pragma unroll
-        for (int i = 0; i < N; ++i) {
-            const acc_t gi = to_acc(in.gate.v[i]);
-            const acc_t ui = to_acc(in.up.v[i]);
-            const acc_t di = to_acc(dout.v[i]);
-            const acc_t s = sigmoid_acc(gi);
-            const acc_t silu = gi * s;
-            hv.v[i] = from_acc<scalar_t>(silu * ui);
-            du.v[i] = from_acc<scalar_t>(di * silu);
-            dg.v[i] = from_acc<scalar_t>(di * ui * s * (acc_t(1) + gi * (acc_t(1) - s)));
+        for (int p = 0; p < PACKS; ++p) {
+            const index_t col = pack_column<N>(col0, p);
+            if (col >= H) break;  // later packs lie further right
+            Pack<N> dg, du, hv;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const acc_t gi = to_acc(g.v[p].v[i]);
+                const acc_t ui = to_acc(u.v[p].v[i]);
+                const acc_t di = to_acc(d.v[p].v[i]);
+                const acc_t s = sigmoid_acc(gi);
+                const acc_t silu = gi * s;
+                hv.v[i] = from_acc<scalar_t>(silu * ui);
+                du.v[i] = from_acc<scalar_t>(di * silu);
+                dg.v[i] = from_acc<scalar_t>(di * ui * s * (acc_t(1) + gi * (acc_t(1) - s)));
+            }
+            store_pack<N>(dgate_row + col, dg);
+            store_pack<N>(dup_row + col, du);
+            if (h != nullptr) store_pack<N>(h + row * ld_h + col, hv);
         }
-        scalar_t* dgate = dx12 + row * ld_dx12 + col;
-        store_pack<N>(dgate, dg);
-        store_pack<N>(dgate + H, du);
-        store_pack<N>(h + row * ld_h + col, hv);
     }
 }
 
-// 16-byte accesses: H and all leading dims multiples of SWIGLU_VEC_WIDTH,
-// all four base pointers 16-byte aligned.
-extern "C" __global__ void swiglu_backward_vec(
-    const scalar_t* x12, const scalar_t* dh, scalar_t* dx12, scalar_t* h,
-    index_t M, index_t H, index_t ld_x12, index_t ld_dh, index_t ld_dx12, index_t ld_h) {
-    swiglu_backward_rows<SWIGLU_VEC_WIDTH>(x12, dh, dx12, h, M, H, ld_x12, ld_dh, ld_dx12, ld_h);
-}
-
-extern "C" __global__ void swiglu_backward_scalar(
-    const scalar_t* x12, const scalar_t* dh, scalar_t* dx12, scalar_t* h,
-    index_t M, index_t H, index_t ld_x12, index_t ld_dh, index_t ld_dx12, index_t ld_h) {
-    swiglu_backward_rows<1>(x12, dh, dx12, h, M, H, ld_x12, ld_dh, ld_dx12, ld_h);
-}
+// Same access-width rules as the forward entries, over all six pointers.
+#define SWIGLU_BACKWARD_ENTRY(name, N, PACKS)                                                 \
+    extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(const scalar_t* gate, const scalar_t* up, const scalar_t* dh, \
+                                    scalar_t* dgate, scalar_t* dup, scalar_t* h,               \
+                                    index_t M, index_t H, index_t ld_gate, index_t ld_up,      \
+                                    index_t ld_dh, index_t ld_dgate, index_t ld_dup,           \
+                                    index_t ld_h) {                                            \
+        swiglu_backward_tiles<N, PACKS>(gate, up, dh, dgate, dup, h, M, H, ld_gate, ld_up,     \
+                                        ld_dh, ld_dgate, ld_dup, ld_h);                        \
+    }

@@ -9,6 +9,7 @@ import torch
 
 from swiglu_cupy import compile_check
 from swiglu_cupy._sources import SUPPORTED_DTYPES, kernel_names
+from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 
@@ -19,13 +20,24 @@ def matrix():
 
 
 def test_every_kernel_dtype_and_arch_compiles_without_spills(matrix):
+    """Every launch candidate's kernel (all packs-per-thread instances)."""
     seen = {(r.kernel, r.dtype, r.arch) for r in matrix}
     expected = {(k, d, a) for k in kernel_names() for d in SUPPORTED_DTYPES for a in ARCHS}
     assert seen == expected
-    assert len(kernel_names()) == 4
+    assert len(kernel_names()) == 2 * 2 * len(PACKS_PER_THREAD)
     for r in matrix:
-        assert 0 < r.registers <= 64, r           # 256-thread blocks stay at full occupancy
         assert not r.spills and r.stack_bytes == 0, r
+        # The largest candidate block must launch: registers x threads <= 64K.
+        assert 0 < r.registers * MAX_THREADS_PER_BLOCK <= 65536, r
+        if r.kernel.endswith("_p1"):
+            assert r.registers <= 64, r           # the default stays at full occupancy
+
+
+def test_launch_candidates_only_use_compiled_instances_and_block_sizes():
+    assert DEFAULT_LAUNCH in LAUNCH_CANDIDATES
+    for c in LAUNCH_CANDIDATES:
+        assert c.packs_per_thread in PACKS_PER_THREAD
+        assert c.threads_per_block <= MAX_THREADS_PER_BLOCK
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
@@ -48,8 +60,15 @@ def test_vector_kernels_use_128_bit_loads_and_stores(dtype):
     assert set(bodies) == set(kernel_names())
     for name, body in bodies.items():
         vector_access = re.search(r"(ld|st)\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", body)
-        if name.endswith("_vec"):
-            assert re.search(r"ld\.global\.v(4|2)\.", body) and re.search(r"st\.global\.v(4|2)\.", body), name
+        if "_vec_" in name:
+            # Each pack of a thread's tile is one 16-byte load per input (gate,
+            # up, and dh in backward) and one 16-byte store per output (h; or
+            # dgate, dup, h), with no access split into narrower ones.
+            packs = int(name.rsplit("_p", 1)[1])
+            inputs, outputs = (2, 1) if "forward" in name else (3, 3)
+            assert len(re.findall(r"ld\.global\.v(4\.(u32|b32|f32)|2\.(u64|b64|f64))", body)) == packs * inputs, name
+            assert len(re.findall(r"st\.global\.v(4\.(u32|b32|f32)|2\.(u64|b64|f64))", body)) == packs * outputs, name
+            assert not re.search(r"(ld|st)\.global\.(v2\.(u16|b16|f16|u32|b32|f32)|u16|b16|u32|b32|f32|u64|f64)\s", body), name
         else:
             assert not vector_access, name
 
@@ -75,8 +94,9 @@ def test_cli_compile_prints_table_and_time():
     proc = subprocess.run([sys.executable, "-m", "swiglu_cupy", "compile", "--arch", "sm_80", "sm_90"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "swiglu_backward_vec" in proc.stdout and "bfloat16" in proc.stdout
-    assert re.search(r"compiled 32 kernels for sm_80, sm_90 in [\d.]+ s", proc.stdout)
+    assert "swiglu_backward_vec_p4" in proc.stdout and "bfloat16" in proc.stdout
+    count = 2 * len(SUPPORTED_DTYPES) * len(kernel_names())
+    assert re.search(rf"compiled {count} kernels for sm_80, sm_90 in [\d.]+ s", proc.stdout)
     assert "spills: 0" in proc.stdout
 
 

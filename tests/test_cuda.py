@@ -8,6 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
 from swiglu_cupy import _launch, primitives
+from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, using_launch_config
 from conftest import (assert_compiled_matches_eager, assert_nontrivial, elementwise_error_bounds, rel_rms,
                       swiglu_fp64_reference)
 
@@ -192,3 +193,58 @@ def test_torch_compile_fullgraph_on_cuda():
     torch.manual_seed(0)
     model = torch.nn.Sequential(sc.SwiGLU(64, 96, device="cuda"), sc.SwiGLU(64, 96, device="cuda"))
     assert_compiled_matches_eager(model, torch.randn(16, 64, device="cuda", requires_grad=True), tol=1e-5)
+
+
+def _assert_within_single_rounding(x12, dh, h=None, dx12=None):
+    """CUDA results against the torch implementation on the CPU (-ftz and the
+    GPU's expf may differ from the CPU in the last fp32 bit, hence 2x)."""
+    x12, dh = x12.cpu(), dh.cpu()
+    ref_dx12, ref_h = primitives.swiglu_backward(x12, dh, implementation="torch")
+    h_bound, dx12_bound = elementwise_error_bounds(x12, dh, ref_h, ref_dx12)
+    if h is not None:
+        assert ((h.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()
+    if dx12 is not None:
+        assert ((dx12.cpu().double() - ref_dx12.double()).abs() <= 2 * dx12_bound).all()
+
+
+@pytest.mark.parametrize("dtype", CUDA_DTYPES)
+@pytest.mark.parametrize("M,H", [(1, 1), (37, 129), (512, 1376)])
+def test_silu_mul_kernels_match_torch_on_cuda(dtype, M, H):
+    torch.manual_seed(M + H)
+    x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(dtype)
+    dh = torch.randn(M, H, device="cuda").to(dtype)
+    wide = torch.zeros(M, H + 24, device="cuda", dtype=dtype)
+    gate = wide[:, 8:8 + H]                      # own row stride
+    gate.copy_(x12[:, :H])
+    up = x12[:, H:].clone()
+    h = primitives.silu_mul_forward(gate, up, implementation="kernels")
+    dgate, dup = primitives.silu_mul_backward(gate, up, dh, implementation="kernels")
+    torch.cuda.synchronize()
+    assert_nontrivial(dgate, "dgate")
+    assert_nontrivial(dup, "dup")
+    _assert_within_single_rounding(x12, dh, h=h, dx12=torch.cat([dgate, dup], dim=1))
+    # In place: dgate over gate, dup over up.
+    primitives.silu_mul_backward(gate, up, dh, dgate_out=gate, dup_out=up, implementation="kernels")
+    torch.testing.assert_close(torch.cat([gate, up], dim=1), torch.cat([dgate, dup], dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config", LAUNCH_CANDIDATES, ids=lambda c: c.label.replace(" ", "-"))
+def test_every_launch_candidate_on_cuda(config):
+    """LLaMA-width rows (vector path), an odd H (scalar path) and many rows,
+    so capped grids loop; results independent of the launch shape."""
+    torch.manual_seed(0)
+    for M, H in [(4096, 11008 // 8), (300, 1001)]:
+        x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(torch.bfloat16)
+        dh = torch.randn(M, H, device="cuda").to(torch.bfloat16)
+        with using_launch_config(DEFAULT_LAUNCH):
+            h_ref = primitives.swiglu_forward(x12, implementation="kernels")
+            dx12_ref, _ = primitives.swiglu_backward(x12, dh, implementation="kernels")
+        with using_launch_config(config):
+            h = primitives.swiglu_forward(x12, implementation="kernels")
+            dx12, h_bwd = primitives.swiglu_backward(x12, dh, implementation="kernels")
+            dgate, dup = primitives.silu_mul_backward(x12[:, :H], x12[:, H:], dh, implementation="kernels")
+        torch.cuda.synchronize()
+        # Same math per element whatever the shape: bitwise equal to the default.
+        assert torch.equal(h, h_ref) and torch.equal(h_bwd, h_ref)
+        assert torch.equal(dx12, dx12_ref) and torch.equal(torch.cat([dgate, dup], dim=1), dx12_ref)
+    _assert_within_single_rounding(x12, dh, h=h, dx12=dx12)

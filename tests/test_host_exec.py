@@ -6,6 +6,7 @@ import torch
 
 import swiglu_cupy
 from swiglu_cupy import primitives
+from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, using_launch_config
 from swiglu_cupy.primitives import kernels
 from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, primitives_on_host_kernels, rel_rms,
                       swiglu_fp64_reference)
@@ -49,23 +50,23 @@ def test_vector_path_when_aligned_scalar_path_otherwise(host_launcher, dtype):
     x12, dh = _inputs(6, H, dtype)
     host_launcher.launches.clear()
     primitives.swiglu_forward(x12, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_vec"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_vec_p1"
 
     # Same values at an odd storage offset: misaligned, so the scalar path.
     storage = torch.empty(x12.numel() + 1, dtype=dtype)
     shifted = storage[1:].view(6, 2 * H)
     shifted.copy_(x12)
     h = primitives.swiglu_forward(shifted, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar_p1"
     _check(x12, dh, h=h)
     dx12, _ = primitives.swiglu_backward(shifted, dh, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_backward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_backward_scalar_p1"
     _check(x12, dh, dx12=dx12)
 
     # H not a multiple of the vector width: scalar path.
     x12_odd, _ = _inputs(6, H + 1, dtype)
     primitives.swiglu_forward(x12_odd, launcher=host_launcher)
-    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar"
+    assert host_launcher.launches[-1][0] == "swiglu_forward_scalar_p1"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -118,9 +119,145 @@ def test_whole_function_with_host_kernels(host_launcher, dtype):
     with primitives_on_host_kernels(host_launcher):
         y = m(x)
         y.backward(torch.ones_like(y))
-    assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec", "swiglu_backward_vec"]
+    assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec_p1", "swiglu_backward_vec_p1"]
     ref = swiglu_fp64_reference(x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)
     bound = {torch.float64: 1e-13, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
     assert rel_rms(y, ref) < bound
     for p in (x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias):
         assert_nontrivial(p.grad, "param")
+
+
+# ---- silu_mul: separate gate and up pointers -------------------------------
+
+def _separate(M, H, dtype, seed=0):
+    """gate as a strided view of a wider buffer, up as its own tensor."""
+    x12, dh = _inputs(M, H, dtype, seed)
+    wide = torch.zeros(M, H + 3 * _vec(dtype), dtype=dtype)
+    gate = wide[:, _vec(dtype):_vec(dtype) + H]   # row stride H + 3*vec, 16-byte aligned rows
+    gate.copy_(x12[:, :H])
+    return gate, x12[:, H:].clone(), dh, x12
+
+
+def _vec(dtype):
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL)
+@pytest.mark.parametrize("M,H", [(1, 1), (5, 7), (9, 16), (33, 120)])
+def test_silu_mul_kernels_match_torch_implementation(host_launcher, dtype, M, H):
+    gate, up, dh, x12 = _separate(M, H, dtype, seed=M * H)
+    host_launcher.launches.clear()
+    h = primitives.silu_mul_forward(gate, up, launcher=host_launcher)
+    dgate, dup = primitives.silu_mul_backward(gate, up, dh, launcher=host_launcher)
+    width = "vec" if H % _vec(dtype) == 0 else "scalar"
+    assert [n for n, *_ in host_launcher.launches] == [f"swiglu_forward_{width}_p1", f"swiglu_backward_{width}_p1"]
+    _check(x12, dh, h=h, dx12=torch.cat([dgate, dup], dim=1))
+    # The separate-pointer kernels agree bit for bit with the packed x12 path.
+    assert torch.equal(h, primitives.swiglu_forward(x12, launcher=host_launcher))
+    dx12, _ = primitives.swiglu_backward(x12, dh, launcher=host_launcher)
+    assert torch.equal(torch.cat([dgate, dup], dim=1), dx12)
+
+
+def test_silu_mul_non_unit_inner_stride_and_misaligned_inputs(host_launcher):
+    M, H, dtype = 6, 24, torch.bfloat16
+    _, _, dh, x12 = _separate(M, H, dtype)
+    gate_t = x12[:, :H].t().contiguous().t()          # column-major: inner stride M
+    storage = torch.empty(M * H + 1, dtype=dtype)
+    up_shifted = storage[1:].view(M, H)                # misaligned by one element
+    up_shifted.copy_(x12[:, H:])
+    assert gate_t.stride(1) != 1
+    host_launcher.launches.clear()
+    h = primitives.silu_mul_forward(gate_t, up_shifted, launcher=host_launcher)
+    dgate_out = torch.empty(H, M, dtype=dtype).t()    # non-unit inner stride output
+    dgate, dup = primitives.silu_mul_backward(gate_t, up_shifted, dh, dgate_out=dgate_out, launcher=host_launcher)
+    assert dgate is dgate_out
+    assert [n for n, *_ in host_launcher.launches] == ["swiglu_forward_scalar_p1", "swiglu_backward_scalar_p1"]
+    _check(x12, dh, h=h, dx12=torch.cat([dgate, dup], dim=1))
+
+
+def test_silu_mul_in_place(host_launcher):
+    """h over gate; dgate over gate and dup over up (each thread loads its
+    whole tile before storing to the same positions)."""
+    M, H, dtype = 7, 40, torch.float32
+    gate, up, dh, x12 = _separate(M, H, dtype)
+    h = primitives.silu_mul_forward(gate, up, out=gate, launcher=host_launcher)
+    assert h is gate
+    _check(x12, dh, h=gate)
+    gate.copy_(x12[:, :H])
+    dgate, dup = primitives.silu_mul_backward(gate, up, dh, dgate_out=gate, dup_out=up, launcher=host_launcher)
+    assert dgate is gate and dup is up
+    _check(x12, dh, dx12=torch.cat([gate, up], dim=1))
+
+
+# ---- every launch candidate --------------------------------------------------
+
+def _assert_loops(config, launch, M, H, vec):
+    """With a grid cap the recorded grid is smaller than the work, so the
+    kernels' grid-stride loops must have iterated (rows or columns)."""
+    name, grid, block = launch
+    assert name.endswith(f"_p{config.packs_per_thread}")
+    assert block[0] * block[1] == config.threads_per_block
+    cap = config.max_blocks(kernels.HOST_SM_COUNT)
+    if cap is None:
+        return None
+    assert grid[0] * grid[1] <= cap
+    rows_loop = grid[1] * block[1] < M
+    cols_loop = grid[0] * block[0] * config.packs_per_thread * vec < H
+    return rows_loop, cols_loop
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("config", LAUNCH_CANDIDATES, ids=lambda c: c.label.replace(" ", "-"))
+def test_every_launch_candidate_is_correct(host_launcher, config, dtype):
+    vec = _vec(dtype)
+    cap = config.max_blocks(kernels.HOST_SM_COUNT)
+    # Tall (more row blocks than the cap), wide (one row needs more column
+    # tiles than the cap) and odd-H (scalar path, tails in every tile).
+    wide_H = vec * 128 * config.packs_per_thread * (cap or 1) + 3 * vec
+    cases = [("tall", 600, 40), ("wide", 2, wide_H), ("odd", 37, 4 * 129 * config.packs_per_thread + 1)]
+    for label, M, H in cases:
+        gate, up, dh, x12 = _separate(M, H, dtype, seed=H)
+        host_launcher.launches.clear()
+        with using_launch_config(config):
+            h = primitives.silu_mul_forward(gate, up, launcher=host_launcher)
+            dgate, dup = primitives.silu_mul_backward(gate, up, dh, launcher=host_launcher)
+            h_x12 = primitives.swiglu_forward(x12, launcher=host_launcher)
+            dx12, h_bwd = primitives.swiglu_backward(x12, dh, launcher=host_launcher)
+        _check(x12, dh, h=h, dx12=torch.cat([dgate, dup], dim=1))
+        _check(x12, dh, h=h_x12, dx12=dx12)
+        assert torch.equal(h, h_bwd) and torch.equal(h, h_x12)
+        path_vec = vec if H % vec == 0 else 1
+        loops = {_assert_loops(config, launch, M, H, path_vec) for launch in host_launcher.launches}
+        if cap is not None and label == "tall":
+            assert all(rows for rows, _ in loops), loops
+        if cap is not None and label == "wide":
+            assert all(cols for _, cols in loops), loops
+        # Same config through the explicit keyword of the kernel path.
+        assert torch.equal(kernels.swiglu_forward(x12, None, host_launcher, launch_config=config), h)
+
+
+@pytest.mark.parametrize("config", [c for c in LAUNCH_CANDIDATES if c.grid_waves == 1])
+def test_every_capped_candidate_in_place(host_launcher, config):
+    M, H, dtype = 300, 72, torch.bfloat16
+    x12, dh = _inputs(M, H, dtype)
+    work = x12.clone()
+    with using_launch_config(config):
+        primitives.swiglu_forward(work, out=work[:, :H], launcher=host_launcher)
+        _check(x12, dh, h=work[:, :H])
+        assert torch.equal(work[:, H:], x12[:, H:])
+        work.copy_(x12)
+        primitives.swiglu_backward(work, dh, dx12_out=work, launcher=host_launcher)
+    _check(x12, dh, dx12=work)
+
+
+def test_default_launch_shape_is_unchanged():
+    """The default keeps today's shape: one pack per thread, 256-thread blocks
+    (at most 128 across a row), one block row per 256 // block_x rows, no cap."""
+    assert DEFAULT_LAUNCH == LaunchConfig(1, 256, None)
+    for M, H, vec, expected in [
+        (1, 1, 1, ((1, 1, 1), (32, 8, 1))),
+        (8192, 11008, 8, ((11, 4096, 1), (128, 2, 1))),
+        (10**6, 64, 8, ((1, 65535, 1), (32, 8, 1))),
+        (5, 4099, 1, ((33, 3, 1), (128, 2, 1))),
+    ]:
+        assert kernels.launch_shape(M, H, vec, DEFAULT_LAUNCH, sm_count=132) == expected

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from swiglu_cupy import _launch, primitives
+from swiglu_cupy._sources import kernel_names
 
 
 def test_concurrent_first_calls_compile_once(monkeypatch):
@@ -26,16 +27,16 @@ def test_concurrent_first_calls_compile_once(monkeypatch):
 
     def first_call():
         barrier.wait()
-        results.append(launcher.function("swiglu_forward_vec", torch.bfloat16, 0))
+        results.append(launcher.function("swiglu_forward_vec_p1", torch.bfloat16, 0))
 
     threads = [threading.Thread(target=first_call) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert loads == [("swiglu_forward_vec", torch.bfloat16, 0)]
+    assert loads == [("swiglu_forward_vec_p1", torch.bfloat16, 0)]
     assert len({id(r) for r in results}) == 1
-    launcher.function("swiglu_forward_vec", torch.float16, 0)  # another dtype: its own entry
+    launcher.function("swiglu_forward_vec_p1", torch.float16, 0)  # another dtype: its own entry
     assert len(loads) == 2
 
 
@@ -83,15 +84,15 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     launcher = _launch.CupyLauncher()
     args = [np.uint64(16), np.int64(3)]
     for _ in range(2):
-        launcher.launch("swiglu_backward_scalar", torch.float32, torch.device("cuda", 1), (1, 2, 1), (32, 8, 1), args)
+        launcher.launch("swiglu_backward_scalar_p1", torch.float32, torch.device("cuda", 1), (1, 2, 1), (32, 8, 1), args)
     kinds = [c[0] for c in fake.calls]
     assert kinds.count("module") == 1 and kinds.count("stream") == 1 and kinds.count("launch") == 2
     assert launcher.compile_count == 1
     launch = [c for c in fake.calls if c[0] == "launch"][-1]
-    assert launch[1:5] == ("swiglu_backward_scalar", (1, 2, 1), (32, 8, 1), tuple(args))
+    assert launch[1:5] == ("swiglu_backward_scalar_p1", (1, 2, 1), (32, 8, 1), tuple(args))
     assert launch[5].ptr == 1234
     assert ("device", 1) in fake.calls
-    assert ("module", ("--std=c++17", "-DSWIGLU_SCALAR=float")) in fake.calls
+    assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
 def test_missing_cupy_falls_back_with_one_warning_naming_the_fix(monkeypatch):
@@ -125,7 +126,7 @@ def test_warmup_loads_every_kernel_before_capture(monkeypatch):
     monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
     monkeypatch.setattr(_launch, "_cupy_launcher", _launch.CupyLauncher())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=7))
-    assert _launch.warmup("cuda:0", dtypes=(torch.bfloat16, torch.float32)) == 8
+    assert _launch.warmup("cuda:0", dtypes=(torch.bfloat16, torch.float32)) == 2 * len(kernel_names())
     assert _launch.cupy_launcher().compile_count == 2  # one module per (device, dtype)
     with pytest.raises(ValueError, match="device must be a CUDA device"):
         _launch.warmup("cpu")
@@ -153,12 +154,12 @@ def test_unwritable_kernel_cache_falls_back_to_memory(monkeypatch):
     monkeypatch.delenv("CUPY_CACHE_IN_MEMORY", raising=False)
     launcher = _launch.CupyLauncher()
     with pytest.warns(RuntimeWarning, match="CUPY_CACHE_DIR"):
-        kernel = launcher.function("swiglu_forward_vec", torch.float32, 0)
+        kernel = launcher.function("swiglu_forward_vec_p1", torch.float32, 0)
     assert kernel is not None
     assert "CUPY_CACHE_IN_MEMORY" not in os.environ  # restored
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        launcher.function("swiglu_forward_scalar", torch.float32, 0)  # module reused, no new warning
+        launcher.function("swiglu_forward_scalar_p1", torch.float32, 0)  # module reused, no new warning
 
 
 def test_unknown_kernel_name_is_rejected(monkeypatch):
@@ -261,3 +262,57 @@ def test_unloadable_nvrtc_falls_back_like_missing_cupy(monkeypatch):
             assert _launch.cuda_kernels_available() is False
     finally:
         _launch.import_cupy.cache_clear()
+
+
+def test_launch_config_validation_names_the_field():
+    from swiglu_cupy.launch_config import LaunchConfig
+
+    for kwargs, match in [({"packs_per_thread": 3}, "packs_per_thread must be one of the compiled"),
+                          ({"packs_per_thread": True}, "packs_per_thread"),
+                          ({"threads_per_block": 100}, "threads_per_block must be a multiple of 32"),
+                          ({"threads_per_block": 1024}, "threads_per_block must be a multiple of 32 in \\[32, 512\\]"),
+                          ({"grid_waves": 0}, "grid_waves must be None or a positive int")]:
+        with pytest.raises(ValueError, match=match):
+            LaunchConfig(**kwargs)
+    assert LaunchConfig(2, 128, 4).max_blocks(sm_count=132) == 4 * 132 * (2048 // 128)
+    assert LaunchConfig().max_blocks(sm_count=132) is None
+
+
+def test_using_launch_config_is_scoped_and_per_thread(host_launcher):
+    from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LaunchConfig, current_launch_config, using_launch_config
+
+    config = LaunchConfig(4, 128, 1)
+    seen_elsewhere = []
+    with using_launch_config(config):
+        assert current_launch_config() == config
+        worker = threading.Thread(target=lambda: seen_elsewhere.append(current_launch_config()))
+        worker.start()
+        worker.join()
+        host_launcher.launches.clear()
+        primitives.swiglu_forward(torch.randn(3, 16), launcher=host_launcher)
+        assert host_launcher.launches[-1][0] == "swiglu_forward_vec_p4"
+        assert host_launcher.launches[-1][2] == (32, 4, 1)
+    assert current_launch_config() == DEFAULT_LAUNCH and seen_elsewhere == [DEFAULT_LAUNCH]
+    with pytest.raises(TypeError, match="config must be a LaunchConfig"):
+        with using_launch_config((4, 128, 1)):
+            pass
+
+
+def test_sm_count_is_read_once_per_cuda_device(monkeypatch):
+    from swiglu_cupy.primitives import kernels
+
+    calls = []
+
+    def properties(index):
+        calls.append(index)
+        return types.SimpleNamespace(multi_processor_count=132)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    kernels._cuda_sm_count.cache_clear()
+    try:
+        assert kernels.sm_count(torch.device("cuda", 3)) == 132
+        assert kernels.sm_count(torch.device("cuda", 3)) == 132
+        assert calls == [3]
+        assert kernels.sm_count(torch.device("cpu")) == kernels.HOST_SM_COUNT
+    finally:
+        kernels._cuda_sm_count.cache_clear()

@@ -71,3 +71,57 @@ def test_relative_rms_helper_detects_errors():
     a = torch.ones(10)
     assert rel_rms(a, a) == 0
     assert rel_rms(a * 1.01, a) == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL)
+@pytest.mark.parametrize("M,H", [(1, 1), (7, 3), (33, 40)])
+def test_torch_silu_mul_rounds_once(dtype, M, H):
+    """gate and up as separate tensors (up non-contiguous): same single-rounding
+    bounds against float64 autograd as the packed primitives."""
+    torch.manual_seed(M * 10 + H)
+    x12 = (torch.randn(M, 2 * H, dtype=torch.float64) * 3).to(dtype)
+    dh = torch.randn(M, H, dtype=torch.float64).to(dtype)
+    gate, up = x12[:, :H].clone(), x12[:, H:].t().contiguous().t()
+    h_exact, dx12_exact = _exact(x12, dh)
+    h = primitives.silu_mul_forward(gate, up, implementation="torch")
+    dgate, dup = primitives.silu_mul_backward(gate, up, dh, implementation="torch")
+    assert h.dtype == dgate.dtype == dup.dtype == dtype
+    assert h.shape == dgate.shape == dup.shape == (M, H)
+    h_bound, dx12_bound = elementwise_error_bounds(x12, dh, h_exact, dx12_exact)
+    assert ((h.double() - h_exact).abs() <= h_bound).all()
+    assert ((torch.cat([dgate, dup], dim=1).double() - dx12_exact).abs() <= dx12_bound).all()
+    assert dgate.abs().max() > 0 and dup.abs().max() > 0
+
+
+def test_silu_mul_outputs_into_caller_buffers_and_in_place():
+    torch.manual_seed(0)
+    gate, up, dh = torch.randn(6, 5), torch.randn(6, 5), torch.randn(6, 5)
+    h_ref = primitives.silu_mul_forward(gate, up, implementation="torch")
+    dgate_ref, dup_ref = primitives.silu_mul_backward(gate, up, dh, implementation="torch")
+    g = gate.clone()
+    assert primitives.silu_mul_forward(g, up, out=g, implementation="torch") is g
+    assert torch.equal(g, h_ref)
+    g, u = gate.clone(), up.clone()
+    dgate, dup = primitives.silu_mul_backward(g, u, dh, dgate_out=g, dup_out=u, implementation="torch")
+    assert dgate is g and dup is u
+    assert torch.equal(g, dgate_ref) and torch.equal(u, dup_ref)
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: primitives.silu_mul_forward([1.0], torch.randn(2, 3)), TypeError, "gate must be a torch.Tensor"),
+    (lambda: primitives.silu_mul_forward(torch.randn(6), torch.randn(6)), ValueError, "gate must be 2-D"),
+    (lambda: primitives.silu_mul_forward(torch.ones(2, 3, dtype=torch.int64), torch.ones(2, 3)), TypeError, "gate dtype"),
+    (lambda: primitives.silu_mul_forward(torch.randn(2, 3), torch.randn(2, 4)), ValueError, "up must have shape \\(2, 3\\)"),
+    (lambda: primitives.silu_mul_forward(torch.randn(2, 3), torch.randn(2, 3).double()), TypeError, "up dtype must match gate"),
+    (lambda: primitives.silu_mul_forward(torch.randn(2, 3), torch.randn(2, 3, device="meta")), ValueError, "up must be on gate's device"),
+    (lambda: primitives.silu_mul_forward(torch.randn(2, 3), torch.randn(2, 3), out=torch.randn(3, 2)), ValueError, "out must have shape"),
+    (lambda: primitives.silu_mul_backward(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 2)), ValueError, "dh must have shape"),
+    (lambda: primitives.silu_mul_backward(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3).half()), TypeError, "dh dtype must match gate"),
+    (lambda: primitives.silu_mul_backward(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3),
+                                          dup_out=torch.randn(2, 3).double()), TypeError, "dup_out dtype"),
+    (lambda: primitives.silu_mul_backward(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3),
+                                          dgate_out=torch.randn(1, 3)), ValueError, "dgate_out must have shape"),
+])
+def test_silu_mul_errors_name_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()

@@ -13,9 +13,20 @@ def test_local_headers_are_inlined_once():
         assert f"// ==== {filename} ====" in src
 
 
-def test_kernel_names():
-    assert set(_sources.kernel_names()) == {
-        "swiglu_forward_vec", "swiglu_forward_scalar", "swiglu_backward_vec", "swiglu_backward_scalar"}
+def test_kernel_names_cover_every_packs_per_thread_candidate():
+    """One entry point per kind x access width x compiled packs-per-thread,
+    each stamped out in the source (NVRTC proves they exist: test_compile_check)."""
+    from swiglu_cupy.launch_config import LAUNCH_CANDIDATES
+
+    packs = sorted({c.packs_per_thread for c in LAUNCH_CANDIDATES})
+    assert packs == [1, 2, 4]
+    expected = {f"swiglu_{kind}_{width}_p{p}" for kind in ("forward", "backward")
+                for width in ("vec", "scalar") for p in packs}
+    assert set(_sources.kernel_names()) == expected
+    src = _sources.module_source()
+    for name in expected:
+        kind = name.split("_")[1].upper()
+        assert f"SWIGLU_{kind}_ENTRY({name}, " in src
 
 
 def test_editing_a_header_changes_the_compiled_source(tmp_path, monkeypatch):

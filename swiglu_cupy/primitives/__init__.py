@@ -11,12 +11,24 @@ Contract (both implementations):
     One pass: dx12 = [dgate | dup] as [M, 2H] and the recomputed h as [M, H].
     ``dx12_out`` may be x12 itself (in-place backward).
 
+``silu_mul_forward(gate, up, out=None) -> h``
+    The same with gate and up as separate [M, H] tensors (any row strides).
+    ``out`` may be gate itself.
+
+``silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None) -> (dgate, dup)``
+    One pass, h is not produced. ``dgate_out``/``dup_out`` may be gate/up.
+
+The x12 primitives run the same kernels with gate = x12[:, :H] and
+up = x12[:, H:] (no copies). The kernels need unit inner stride: other
+layouts are copied to contiguous first (outputs are written back).
+
 Math runs in fp32 (fp64 for float64 storage) and every output is rounded to
 the storage dtype once. Supported dtypes: float16, bfloat16, float32, float64.
 
 CUDA tensors run the kernels in ``kernels_cu/`` (CuPy); other tensors run the
 torch implementation. ``implementation=`` forces one ("torch" or "kernels"),
 ``launcher=`` substitutes the kernel launcher (the host-execution harness).
+The kernels' launch shape is chosen with ``swiglu_cupy.launch_config``.
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ from .._launch import cuda_kernels_available
 from .._sources import SUPPORTED_DTYPES
 from . import kernels, reference_torch
 
-__all__ = ["swiglu_forward", "swiglu_backward"]
+__all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
 
 
 def _check_x12(x12: torch.Tensor) -> int:
@@ -41,15 +53,25 @@ def _check_x12(x12: torch.Tensor) -> int:
     return x12.shape[1] // 2
 
 
-def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.Tensor) -> None:
+def _check_gate(gate: torch.Tensor) -> None:
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"gate must be a torch.Tensor, got {type(gate).__name__}")
+    if gate.dim() != 2:
+        raise ValueError(f"gate must be 2-D [M, H], got shape {tuple(gate.shape)}")
+    if gate.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"gate dtype must be one of {SUPPORTED_DTYPES}, got {gate.dtype}")
+
+
+def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.Tensor,
+                ref_name: str = "x12") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.dtype != ref.dtype:
-        raise TypeError(f"{name} dtype must match x12 ({ref.dtype}), got {t.dtype}")
+        raise TypeError(f"{name} dtype must match {ref_name} ({ref.dtype}), got {t.dtype}")
     if t.device != ref.device:
-        raise ValueError(f"{name} must be on x12's device ({ref.device}), got {t.device}")
+        raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
 
 
 def _use_kernels(x12: torch.Tensor, implementation: str | None, launcher) -> bool:
@@ -82,3 +104,30 @@ def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor 
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_backward(x12, dh, dx12_out, launcher)
     return reference_torch.swiglu_backward(x12, dh, dx12_out)
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
+                     implementation: str | None = None, launcher=None) -> torch.Tensor:
+    _check_gate(gate)
+    _check_like("up", up, tuple(gate.shape), gate, "gate")
+    if out is not None:
+        _check_like("out", out, tuple(gate.shape), gate, "gate")
+    if _use_kernels(gate, implementation, launcher):
+        return kernels.silu_mul_forward(gate, up, out, launcher)
+    return reference_torch.silu_mul_forward(gate, up, out)
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+                      dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None, *,
+                      implementation: str | None = None, launcher=None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_gate(gate)
+    shape = tuple(gate.shape)
+    _check_like("up", up, shape, gate, "gate")
+    _check_like("dh", dh, shape, gate, "gate")
+    for name, t in (("dgate_out", dgate_out), ("dup_out", dup_out)):
+        if t is not None:
+            _check_like(name, t, shape, gate, "gate")
+    if _use_kernels(gate, implementation, launcher):
+        return kernels.silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
+    return reference_torch.silu_mul_backward(gate, up, dh, dgate_out, dup_out)

@@ -1,15 +1,29 @@
 """Kernel implementation of the primitives: layout checks, the vector-width
-choice and the grid, then one call to a launcher (CuPy on a GPU, or the host
-harness in CI). Tensors are passed as raw pointers, never copied."""
+choice and the launch shape, then one call to a launcher (CuPy on a GPU, or
+the host harness in CI). Tensors are passed as raw pointers, never copied
+(except a non-unit inner stride, which the kernels cannot step).
+
+Every primitive reaches the same two kernel kinds through ``_forward`` and
+``_backward``: gate and up are separate pointers with their own row strides,
+so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:].
+
+The launch shape comes from ``launch_config=`` or, when None, from
+``swiglu_cupy.launch_config.current_launch_config()`` (see that module).
+"""
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
-from .._launch import cupy_launcher, i64, pointer
-from .._sources import vector_width
+from .._launch import cupy_launcher, device_index, i64, pointer
+from .._sources import kernel_name, vector_width
+from ..launch_config import LaunchConfig, current_launch_config
 
-THREADS_PER_BLOCK = 256
-MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by a grid-stride loop
+MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
+MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-stride loop
+HOST_SM_COUNT = 1   # stand-in for launchers without a GPU, so capped grids stay small
 
 
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
@@ -33,50 +47,117 @@ def choose_vector_width(dtype: torch.dtype, H: int, *tensors: torch.Tensor) -> i
     return vec
 
 
-def launch_shape(M: int, H: int, vec: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """x threads cover the packs of one row (one pack each); y covers rows."""
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed stand-in off CUDA)."""
+    return _cuda_sm_count(device_index(device)) if device.type == "cuda" else HOST_SM_COUNT
+
+
+def launch_shape(M: int, H: int, vec: int, config: LaunchConfig, sm_count: int
+                 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """x threads cover the packs of a row (``config.packs_per_thread`` each),
+    y covers rows; with a grid cap the kernels' grid-stride loops cover the
+    rest (columns first when one row alone needs more blocks than the cap)."""
     packs = -(-H // vec)
-    block_x = min(128, -(-packs // 32) * 32)
-    block_y = THREADS_PER_BLOCK // block_x
-    grid_x = -(-packs // block_x)
+    per_thread = config.packs_per_thread
+    block_x = min(MAX_BLOCK_X, config.threads_per_block, -(-packs // (32 * per_thread)) * 32)
+    block_y = config.threads_per_block // block_x
+    grid_x = -(-packs // (block_x * per_thread))
     grid_y = min(-(-M // block_y), MAX_GRID_Y)
+    cap = config.max_blocks(sm_count)
+    if cap is not None:
+        grid_x = min(grid_x, cap)
+        grid_y = max(1, min(grid_y, cap // grid_x))
     return (grid_x, grid_y, 1), (block_x, block_y, 1)
 
 
-def _launch(launcher, kind: str, vec: int, ref: torch.Tensor, M: int, H: int, args) -> None:
+def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: torch.Tensor,
+            M: int, H: int, args) -> None:
     if M == 0 or H == 0:
         return  # an empty grid is a CUDA launch error; there is nothing to do
-    name = f"{kind}_{'vec' if vec > 1 else 'scalar'}"
-    grid, block = launch_shape(M, H, vec)
+    config = config or current_launch_config()
+    name = kernel_name(kind, vec > 1, config.packs_per_thread)
+    sms = sm_count(ref.device) if config.grid_waves is not None else 0
+    grid, block = launch_shape(M, H, vec, config, sms)
     (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block, args)
 
 
-def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None) -> torch.Tensor:
-    x12 = _rows_view(x12)
-    M, H = x12.shape[0], x12.shape[1] // 2
-    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device) if out is None else out
-    target = _rows_view(h)
-    vec = choose_vector_width(x12.dtype, H, x12, target)
-    _launch(launcher, "swiglu_forward", vec, x12, M, H, [
-        pointer(x12), pointer(target), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(target)),
+def _forward(gate, up, h, launcher, config) -> None:
+    """h = silu(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
+    M, H = gate.shape
+    vec = choose_vector_width(gate.dtype, H, gate, up, h)
+    _launch(launcher, config, "swiglu_forward", vec, gate, M, H, [
+        pointer(gate), pointer(up), pointer(h), i64(M), i64(H),
+        i64(_leading_dim(gate)), i64(_leading_dim(up)), i64(_leading_dim(h)),
     ])
-    if target is not h:
-        h.copy_(target)
+
+
+def _backward(gate, up, dh, dgate, dup, h, launcher, config) -> None:
+    """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
+    M, H = gate.shape
+    tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
+    vec = choose_vector_width(gate.dtype, H, *tensors)
+    h_args = (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
+    _launch(launcher, config, "swiglu_backward", vec, gate, M, H, [
+        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_args[0], i64(M), i64(H),
+        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_args[1],
+    ])
+
+
+def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
+    return torch.empty((ref.shape[0], H), dtype=ref.dtype, device=ref.device)
+
+
+def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
+    """An output written through a contiguous stand-in goes to the caller's view."""
+    if target is not out:
+        out.copy_(target)
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
+                     launcher=None, launch_config: LaunchConfig | None = None) -> torch.Tensor:
+    gate, up = _rows_view(gate), _rows_view(up)
+    h = _empty_rows(gate, gate.shape[1]) if out is None else out
+    target = _rows_view(h)
+    _forward(gate, up, target, launcher, launch_config)
+    _copy_back(target, h)
     return h
 
 
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+                      dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
+                      launcher=None, launch_config: LaunchConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
+    H = gate.shape[1]
+    dgate = _empty_rows(gate, H) if dgate_out is None else dgate_out
+    dup = _empty_rows(gate, H) if dup_out is None else dup_out
+    dgate_target, dup_target = _rows_view(dgate), _rows_view(dup)
+    _backward(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config)
+    _copy_back(dgate_target, dgate)
+    _copy_back(dup_target, dup)
+    return dgate, dup
+
+
+def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
+                   launch_config: LaunchConfig | None = None) -> torch.Tensor:
+    x12 = _rows_view(x12)
+    H = x12.shape[1] // 2
+    return silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config)
+
+
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
-                    launcher=None) -> tuple[torch.Tensor, torch.Tensor]:
+                    launcher=None, launch_config: LaunchConfig | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     x12, dh = _rows_view(x12), _rows_view(dh)
-    M, H = x12.shape[0], x12.shape[1] // 2
+    H = x12.shape[1] // 2
     dx12 = torch.empty_like(x12, memory_format=torch.contiguous_format) if dx12_out is None else dx12_out
     target = _rows_view(dx12)
-    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
-    vec = choose_vector_width(x12.dtype, H, x12, dh, target, h)
-    _launch(launcher, "swiglu_backward", vec, x12, M, H, [
-        pointer(x12), pointer(dh), pointer(target), pointer(h), i64(M), i64(H),
-        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(target)), i64(_leading_dim(h)),
-    ])
-    if target is not dx12:
-        dx12.copy_(target)
+    h = _empty_rows(x12, H)
+    _backward(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher, launch_config)
+    _copy_back(target, dx12)
     return dx12, h

@@ -32,6 +32,7 @@ _COMPAT_HEADER = r"""
 #include <cuda_bf16.h>
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <utility>
 #undef __global__
 #define __global__
@@ -39,6 +40,8 @@ _COMPAT_HEADER = r"""
 #define __device__
 #undef __forceinline__
 #define __forceinline__ inline
+#undef __launch_bounds__
+#define __launch_bounds__(...)
 static thread_local uint3 threadIdx, blockIdx;
 static thread_local dim3 blockDim, gridDim;
 """
