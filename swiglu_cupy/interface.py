@@ -38,10 +38,11 @@ def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.addmm(bias, inp, weight.t(), out=out)
 
 
-def _tracing() -> bool:
-    """torch.compile / torch.export / ONNX export is tracing this call: use
-    functional (out=-free) ops, which every tracer and exported graph handles."""
-    return torch.compiler.is_compiling()
+def _functional(t: torch.Tensor) -> bool:
+    """Use out=-free ops: a tracer (torch.compile / torch.export / ONNX) records
+    this call, or ``t`` carries a torch.func transform (out= buffers cannot
+    hold a vmap batch)."""
+    return torch.compiler.is_compiling() or ops.is_transformed(t)
 
 
 def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
@@ -50,7 +51,7 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
     buffer, so no weight is ever concatenated."""
     if w2 is None:
         return _linear_2d(x2d, w1, b1)
-    if _tracing():
+    if _functional(x2d):
         return torch.cat([_linear_2d(x2d, w1, b1), _linear_2d(x2d, w2, b2)], dim=1)
     H = w1.shape[0]
     x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
@@ -62,14 +63,29 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
 def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape) -> torch.Tensor:
     """y = h @ w3.T + b3 in ``out_shape``, allocated in that shape (not a view,
     which FSDP2 warns about) outside tracing."""
-    if _tracing():
+    if _functional(h):
         return _linear_2d(h, w3, b3).view(out_shape)
     y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
     _linear_2d(h, w3, b3, out=y.view(-1, w3.shape[0]))
     return y
 
 
-class SwiGLUFunction(torch.autograd.Function):
+class _LeanApplyFunction(torch.autograd.Function):
+    """torch.autograd.Function whose ``apply`` skips torch's per-call
+    ``inspect.signature`` binding of default arguments (~15 us; our callers
+    pass every argument positionally). Under torch.func transforms, or with a
+    tensor left over from one, torch's own ``apply`` runs unchanged."""
+
+    @classmethod
+    def apply(cls, *args):
+        if torch._C._are_functorch_transforms_active() or any(
+                isinstance(a, torch.Tensor) and ops.is_transformed(a) for a in args):
+            return super().apply(*args)
+        # torch.autograd.Function.apply minus the binding: the C++ apply.
+        return super(torch.autograd.Function, cls).apply(*args)
+
+
+class SwiGLUFunction(_LeanApplyFunction):
     """Fused SwiGLU: 3 GEMMs forward, 4 GEMMs + one elementwise pass backward.
 
     ``apply(x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward,
@@ -92,12 +108,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(x, w1, b1, w2, b2, w3, b3, recompute_gate_up=False, inplace_backward=False,
                 inference=False):
-        x12 = _gate_up(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)         # [M, 2H]
-        # `inference` comes from the caller's grad mode (forward itself runs
-        # without grad), never from requires_grad: checkpoint recomputes, which
-        # run with grad enabled, always take the saving path.
-        h = ops.forward_inplace(x12) if inference else ops.forward(x12)
-        return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0])), x12
+        return _forward_pass(x, w1, b1, w2, b2, w3, b3, inference)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -157,11 +168,21 @@ class SwiGLUFunction(torch.autograd.Function):
         return _vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), modes)
 
 
+def _forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool):
+    """The forward's computation: (y, x12). ``inference`` comes from the
+    caller's grad mode (forward itself runs without grad), never from
+    requires_grad: checkpoint recomputes, which run with grad enabled, always
+    take the saving path."""
+    x12 = _gate_up(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)             # [M, 2H]
+    h = ops.forward_inplace(x12) if inference else ops.forward(x12)
+    return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0])), x12
+
+
 def _input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
     """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation)."""
     D = w1.shape[1]
     H = dx12.shape[1] // 2
-    if _tracing():
+    if _functional(dx12):
         dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
         return dx.view(x_shape)
     dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
@@ -208,7 +229,8 @@ def _check_tensor(name: str, t, optional: bool = False) -> None:
     if t.is_meta:
         raise ValueError(f"{name} is a meta tensor (no data); materialize it first, e.g. "
                          "module.to_empty(device=...) and re-initialize the parameters")
-    if name not in ("x", "gate", "up") and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+    if (name not in ("x", "gate", "up") and not t.is_contiguous()
+            and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape))):
         raise ValueError(f"{name} is an expanded view (stride 0 along a dim of size > 1, strides "
                          f"{t.stride()}); pass a materialized tensor, e.g. {name}.contiguous()")
 
@@ -272,18 +294,27 @@ def _reject_jit() -> None:
             "kernels run from Python. Use torch.export.export (or torch.compile) instead.")
 
 
-def _apply(tensors: dict, args: list, modes: tuple) -> torch.Tensor:
+def _apply(tensors: dict, args: list, flags: tuple) -> torch.Tensor:
     """The one call into SwiGLUFunction. ``tensors`` names the user's
-    arguments (for errors), ``args`` are the Function's tensor inputs. Under
-    autocast every input is cast to the autocast dtype, like nn.Linear."""
+    arguments (for errors), ``args`` are the Function's tensor inputs and
+    ``flags`` its memory modes. Under autocast every input is cast to the
+    autocast dtype, like nn.Linear."""
     device_type = tensors["x"].device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
-        cast = [None if t is None else t.to(dtype) for t in args]
+        args = [None if t is None else t.to(dtype) for t in args]
         with torch.autocast(device_type=device_type, enabled=False):
-            return SwiGLUFunction.apply(*cast, *modes)[0]
+            return _forward_or_apply(args, flags)
     _check_same(tensors, "dtype", TypeError)
-    return SwiGLUFunction.apply(*args, *modes)[0]
+    return _forward_or_apply(args, flags)
+
+
+def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return SwiGLUFunction.apply(*args, *flags, not torch.is_grad_enabled())[0]
+    # No grad: no graph can be recorded, so the Function (whose only job is
+    # the graph) is skipped; the same forward pass runs, in inference mode.
+    return _forward_pass(*args, inference=True)[0]
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -302,8 +333,7 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     _check_same(tensors, "device", ValueError)
     _check_shapes(x, w12, b12, w3, b3)
     _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
-    return _apply(tensors, [x, w12, b12, None, None, w3, b3],
-                  (recompute_gate_up, inplace_backward, not torch.is_grad_enabled()))
+    return _apply(tensors, [x, w12, b12, None, None, w3, b3], (recompute_gate_up, inplace_backward))
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -323,8 +353,7 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     _check_same(tensors, "device", ValueError)
     _check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
     _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
-    return _apply(tensors, list(tensors.values()),
-                  (recompute_gate_up, inplace_backward, not torch.is_grad_enabled()))
+    return _apply(tensors, list(tensors.values()), (recompute_gate_up, inplace_backward))
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -334,7 +363,7 @@ def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | Non
     return F.linear(F.silu(gate) * up, w3, b3)
 
 
-class SiluMulFunction(torch.autograd.Function):
+class SiluMulFunction(_LeanApplyFunction):
     """``h = silu(gate) * up`` for two tensors of one shape ``[..., H]``: one
     fused kernel each way (fp32 math, one rounding). Saves its two inputs
     only, whatever requires grad. Apply-only, like SwiGLUFunction."""

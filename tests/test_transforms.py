@@ -1,0 +1,311 @@
+"""Program transforms: torch.export, torch.func (grad, vjp, jacrev, vmap,
+per-sample gradients), ONNX export, nn.Module conventions (reset_parameters,
+meta-device init) and the TorchScript error. CPU path, against the eager
+references, with non-trivial gradients."""
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, jacrev, vjp, vmap
+
+import swiglu_cupy as sc
+from swiglu_cupy import ops, primitives
+from conftest import assert_nontrivial
+
+D, H, O = 12, 20, 10
+TOL = dict(rtol=1e-10, atol=1e-10)  # float64 throughout: same math, different op order
+
+
+def _block(bias=True, dtype=torch.float64):
+    torch.manual_seed(0)
+    return sc.SwiGLU(D, H, O, bias=bias, dtype=dtype)
+
+
+def _reference_block(block):
+    """The same weights as three eager nn.Linear ops (gate, up, down)."""
+    gate, up, down = block.to_gate_up_down()
+
+    def forward(x):
+        return down(F.silu(gate(x)) * up(x))
+    return forward, (gate, up, down)
+
+
+class FunctionalModel(nn.Module):
+    """swiglu() and silu_mul() called as functions inside a model."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.block = sc.SwiGLU(D, H, D, dtype=torch.float64)
+        self.gate = nn.Linear(D, H, dtype=torch.float64)
+        self.up = nn.Linear(D, H, dtype=torch.float64)
+
+    def forward(self, x):
+        b = self.block
+        y = sc.swiglu(x, b.w12.weight, b.w12.bias, b.w3.weight, b.w3.bias)
+        return sc.silu_mul(self.gate(y), self.up(y))
+
+    def reference(self, x):
+        b = self.block
+        y = sc.swiglu_reference(x, b.w12.weight, b.w12.bias, b.w3.weight, b.w3.bias)
+        return sc.silu_mul_reference(self.gate(y), self.up(y))
+
+
+def _x(*shape, requires_grad=False):
+    torch.manual_seed(2)
+    return torch.randn(*shape, D, dtype=torch.float64, requires_grad=requires_grad)
+
+
+def _grads(model, x, fn=None):
+    y = (fn or model)(x)
+    y.pow(2).sum().backward()
+    return y.detach(), [x.grad] + [p.grad for p in model.parameters()]
+
+
+# ---- torch.export -----------------------------------------------------------------------------
+
+def _our_ops(ep):
+    """Our ops anywhere in the program (strict export nests grad-mode regions
+    in submodules)."""
+    return sorted({str(n.target) for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+                   for n in gm.graph.nodes if n.op == "call_function" and "swiglu_cupy" in str(n.target)})
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("grad_enabled", [True, False])
+@pytest.mark.parametrize("model_kind", ["module", "functional"])
+def test_export_runs_and_matches_eager(strict, grad_enabled, model_kind):
+    model = _block() if model_kind == "module" else FunctionalModel()
+    x = _x(3, 5)
+    with torch.set_grad_enabled(grad_enabled):
+        ep = torch.export.export(model, (x,), strict=strict)
+        expected = model(x)
+        torch.testing.assert_close(ep.module()(x), expected, **TOL)
+    # Our fused ops stay in the graph (no_grad takes the in-place inference path).
+    expected_op = "swiglu_forward" if grad_enabled else "swiglu_forward_inplace"
+    assert f"swiglu_cupy.{expected_op}.default" in _our_ops(ep)
+    if model_kind == "functional":
+        assert "swiglu_cupy.silu_mul_forward.default" in _our_ops(ep)
+
+
+def test_export_with_dynamic_batch_dim():
+    model = FunctionalModel()
+    batch = torch.export.Dim("batch")
+    ep = torch.export.export(model, (_x(3, 5),), dynamic_shapes={"x": {0: batch}})
+    for rows in (1, 4, 7):
+        x = _x(rows, 5)
+        torch.testing.assert_close(ep.module()(x), model.reference(x), **TOL)
+
+
+def test_exported_program_is_differentiable_with_our_backward():
+    """An exported program run with grad differentiates through the ops'
+    registered autograd formulas (the fused backward kernels)."""
+    model = FunctionalModel()
+    ep = torch.export.export(model, (_x(4),))
+    x = _x(4, requires_grad=True)
+    y = ep.module()(x)
+    y.pow(2).sum().backward()
+    expected_x = x.grad.clone()
+    x.grad = None
+    model.reference(x).pow(2).sum().backward()
+    assert_nontrivial(expected_x, "dx")
+    torch.testing.assert_close(expected_x, x.grad, **TOL)
+
+
+def test_run_decompositions_default_and_to_plain_aten():
+    model = FunctionalModel()
+    x = _x(2, 3)
+    ep = torch.export.export(model, (x,))
+    default = ep.run_decompositions()
+    assert _our_ops(default), "the default decompositions keep our ops"
+    torch.testing.assert_close(default.module()(x), model.reference(x), **TOL)
+    plain = ep.run_decompositions(ops.aten_decompositions())
+    assert _our_ops(plain) == []
+    torch.testing.assert_close(plain.module()(x), model.reference(x), **TOL)
+
+
+def test_export_save_load_round_trip_in_a_fresh_process(tmp_path):
+    model = FunctionalModel()
+    x = _x(3, 4)
+    with torch.no_grad():
+        expected = model(x)
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, (x,)), path)
+    torch.save({"x": x, "expected": expected}, tmp_path / "io.pt")
+    script = textwrap.dedent(f"""
+        import torch, swiglu_cupy  # registers torch.ops.swiglu_cupy.*
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        ep = torch.export.load({str(path)!r})
+        y = ep.module()(io["x"])
+        torch.testing.assert_close(y, io["expected"], rtol=1e-12, atol=1e-12)
+        print("ROUND TRIP OK", sorted({{str(n.target) for n in ep.graph.nodes if "swiglu_cupy" in str(n.target)}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ROUND TRIP OK" in proc.stdout and "swiglu_forward" in proc.stdout
+
+
+# ---- torch.func -------------------------------------------------------------------------------
+
+def test_func_grad_and_vjp_match_autograd():
+    block = _block()
+    ref, ref_modules = _reference_block(block)
+    params = {k: v.detach() for k, v in block.named_parameters()}
+    x = _x(3, 4)
+
+    def loss(p, x):
+        return functional_call(block, p, (x,)).pow(2).sum()
+
+    g_params, g_x = grad(loss, argnums=(0, 1))(params, x)
+    x_ref = x.clone().requires_grad_(True)
+    ref(x_ref).pow(2).sum().backward()
+    torch.testing.assert_close(g_x, x_ref.grad, **TOL)
+    gate, up, down = ref_modules
+    torch.testing.assert_close(g_params["w12.weight"], torch.cat([gate.weight.grad, up.weight.grad]), **TOL)
+    torch.testing.assert_close(g_params["w3.weight"], down.weight.grad, **TOL)
+    for name, g in g_params.items():
+        assert_nontrivial(g, name)
+
+    y, pullback = vjp(lambda x: block(x), x)
+    dy = torch.randn_like(y)
+    (dx,) = pullback(dy)
+    _, ref_pullback = vjp(ref, x)
+    torch.testing.assert_close(dx, ref_pullback(dy)[0], **TOL)
+
+
+def test_func_jacrev_matches_the_reference():
+    model = FunctionalModel()
+    x = _x(2)
+    jac = jacrev(model)(x)
+    assert jac.shape == (2, H, 2, D)
+    torch.testing.assert_close(jac, jacrev(model.reference)(x), **TOL)
+    assert jac.abs().max() > 0
+
+
+def test_vmap_over_inputs_folds_into_one_launch(monkeypatch):
+    block = _block()
+    xs = _x(6, 3)  # vmap over 6 batches of 3 tokens
+    calls = []
+    real = primitives.swiglu_forward
+    monkeypatch.setattr(primitives, "swiglu_forward", lambda x12, *a, **k: calls.append(x12.shape) or real(x12, *a, **k))
+    ys = vmap(block)(xs)
+    assert calls == [(18, 2 * H)], "one primitive call over all 6 x 3 token rows"
+    torch.testing.assert_close(ys, torch.stack([sc.swiglu_reference(x, block.w12.weight, block.w12.bias,
+                                                                     block.w3.weight, block.w3.bias)
+                                                for x in xs]), **TOL)
+
+
+def test_vmap_silu_mul_batched_and_unbatched_arguments():
+    torch.manual_seed(3)
+    gate, up = torch.randn(4, 5, H, dtype=torch.float64), torch.randn(5, H, dtype=torch.float64)
+    out = vmap(sc.silu_mul, in_dims=(0, None))(gate, up)
+    torch.testing.assert_close(out, sc.silu_mul_reference(gate, up.expand_as(gate)), **TOL)
+    out = vmap(sc.silu_mul, in_dims=(1, 1))(gate.transpose(0, 1), gate.transpose(0, 1))
+    torch.testing.assert_close(out, sc.silu_mul_reference(gate, gate).transpose(0, 1).transpose(0, 1), **TOL)
+
+
+def test_vmap_over_stacked_weights_ensemble():
+    torch.manual_seed(4)
+    members = [sc.SwiGLU(D, H, O, dtype=torch.float64) for _ in range(3)]
+    params, _ = torch.func.stack_module_state(members)
+    x = _x(5)
+
+    def run(p):
+        return functional_call(members[0], p, (x,))
+
+    ys = vmap(run)(params)
+    torch.testing.assert_close(ys, torch.stack([m(x) for m in members]), **TOL)
+
+
+def test_per_sample_gradients_of_a_two_layer_model():
+    torch.manual_seed(5)
+    model = nn.Sequential(sc.SwiGLU(D, H, D, dtype=torch.float64), sc.SwiGLU(D, H, 1, dtype=torch.float64))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    xs = _x(4, 3)  # 4 samples of 3 tokens
+
+    def loss(p, x):
+        return functional_call(model, p, (x,)).pow(2).mean()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, xs)
+    for i, x in enumerate(xs):
+        model.zero_grad()
+        loss(dict(model.named_parameters()), x).backward()
+        for name, p in model.named_parameters():
+            assert_nontrivial(per_sample[name][i], name)
+            torch.testing.assert_close(per_sample[name][i], p.grad, **TOL)
+
+
+# ---- ONNX -------------------------------------------------------------------------------------
+
+def test_onnx_export_uses_standard_ops_and_matches_onnxruntime(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(6)
+    model = nn.Sequential(sc.SwiGLU(D, H, D), nn.Linear(D, D))
+    gate_up = nn.Linear(D, 2 * H)
+
+    class WithSiluMul(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model, self.gate_up = model, gate_up
+
+        def forward(self, x):
+            g, u = self.gate_up(self.model(x)).chunk(2, dim=-1)
+            return sc.silu_mul(g.contiguous(), u.contiguous())
+
+    wrapped = WithSiluMul().eval()
+    x = torch.randn(2, 3, D)
+    program = torch.onnx.export(wrapped, (x,), dynamo=True)
+    path = tmp_path / "model.onnx"
+    program.save(str(path))
+    domains = {node.domain for node in program.model_proto.graph.node}
+    for function in program.model_proto.functions:
+        domains |= {node.domain for node in function.node}
+    assert domains <= {"", "ai.onnx"}, domains
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    with torch.no_grad():
+        expected = wrapped(x)
+    torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-6)
+
+
+# ---- nn.Module conventions --------------------------------------------------------------------
+
+def test_reset_parameters_initializes_exactly_like_nn_linear():
+    block = sc.SwiGLU(D, H, O)
+    torch.manual_seed(7)
+    block.reset_parameters()
+    torch.manual_seed(7)
+    w12, w3 = nn.Linear(D, 2 * H), nn.Linear(H, O)
+    for ours, ref in ((block.w12, w12), (block.w3, w3)):
+        assert torch.equal(ours.weight, ref.weight) and torch.equal(ours.bias, ref.bias)
+    bound = 1 / math.sqrt(D)
+    assert block.w12.weight.abs().max() <= bound and block.w12.weight.std() > bound / 4
+
+
+def test_meta_device_init_then_to_empty_and_reset_parameters():
+    with torch.device("meta"):
+        block = sc.SwiGLU(D, H, O)
+    block.to_empty(device="cpu")
+    block.reset_parameters()
+    reference = _block(dtype=torch.float32)
+    reference.load_state_dict(block.state_dict())
+    x = torch.randn(4, D, requires_grad=True)
+    y = block(x)
+    torch.testing.assert_close(y, reference(x))
+    y.sum().backward()
+    assert_nontrivial(x.grad, "dx")
+
+
+def test_torchscript_raises_one_clear_error_naming_torch_export():
+    block = _block()
+    for compile_ in (lambda: torch.jit.trace(block, (_x(2),)), lambda: torch.jit.script(block),
+                     lambda: torch.jit.script(nn.Sequential(block))):
+        with pytest.raises(RuntimeError, match="torch.export"):
+            compile_()
