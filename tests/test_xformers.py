@@ -150,7 +150,12 @@ def test_packed_op_gets_a_view_of_w12(monkeypatch):
     import swiglu_cupy.xformers as sx
 
     seen = []
-    monkeypatch.setattr(sx, "swiglu", lambda x, w12, b12, w3, b3: seen.append((w12, b12)) or sc.swiglu(x, w12, b12, w3, b3))
+
+    def recording_swiglu(x, w12, b12, w3, b3):
+        seen.append((w12, b12))
+        return sc.swiglu(x, w12, b12, w3, b3)
+
+    monkeypatch.setattr(sx, "swiglu", recording_swiglu)
     module = patched(xformers_swiglu())
     x, dy = inputs()
     module(x).backward(dy)
