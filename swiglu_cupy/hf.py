@@ -20,6 +20,13 @@ the biases), and it loads state dicts in that layout (or in its own packed
 a checkpoint that loads into an unpatched model, and an unpatched model's
 state dict loads into a patched one.
 
+MLPs whose projections are other modules (PEFT LoRA layers, quantized
+linears, anything callable) keep them: they become a :class:`SiluMulMLP`
+holding the very same projection modules, and only
+``act_fn(gate_proj(x)) * up_proj(x)`` runs fused (:func:`swiglu_cupy.silu_mul`).
+Parameter names, adapters, ``requires_grad`` and PEFT's ``merge_and_unload``
+are untouched.
+
 This module does not import ``transformers``; it works on any ``nn.Module``.
 """
 from __future__ import annotations
@@ -29,9 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._sources import SUPPORTED_DTYPES
+from .interface import silu_mul
 from .module import SwiGLU
 
-__all__ = ["SwiGLUMLP", "patch_model", "is_swiglu_mlp"]
+__all__ = ["SwiGLUMLP", "SiluMulMLP", "patch_model", "is_swiglu_mlp"]
 
 _ACT_NAMES = ("act_fn", "activation_fn", "act")
 _HF = ("gate_proj", "up_proj", "down_proj")
@@ -87,6 +95,30 @@ class SwiGLUMLP(SwiGLU):
         super().__init__(*args, **kwargs)
         self._register_state_dict_hook(_to_hf_keys)
         self._register_load_state_dict_pre_hook(_from_hf_keys, with_module=True)
+
+
+class SiluMulMLP(nn.Module):
+    """``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` around projection
+    modules that cannot be packed into one weight (PEFT LoRA layers,
+    quantized linears, any module mapping ``[..., D]`` to ``[..., H]``): they
+    are kept as they are, so parameter names, adapters and ``requires_grad``
+    stay those of the original MLP; only the activation and product run fused.
+    ``act_fn`` is an ``nn.SiLU`` that names the activation (the forward does
+    not call it), so that once the projections are plain ``nn.Linear`` again
+    (e.g. after PEFT's ``merge_and_unload()``) ``patch_model`` can replace
+    this module with the fully fused :class:`SwiGLUMLP`.
+    """
+
+    def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:
+        super().__init__()
+        for name, proj in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if not isinstance(proj, nn.Module):
+                raise TypeError(f"{name} must be an nn.Module, got {type(proj).__name__}")
+        self.gate_proj, self.up_proj, self.down_proj = gate_proj, up_proj, down_proj
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def _find_act(module: nn.Module):
@@ -147,25 +179,66 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
     return act is not None and _is_silu(act, w.device, w.dtype)
 
 
-def _forward_matches(module: nn.Module, fused: SwiGLU) -> bool:
-    """Run the original module and the fused one on a probe input: equal up to
-    rounding? (A gate/up swap or any other formula differs by O(1).)"""
-    w = fused.w12.weight
-    if w.device.type == "meta":
+def _probe_spec(module: nn.Module) -> tuple[int, torch.device, torch.dtype] | None:
+    """``(in_features, device, dtype)`` of a probe input for an MLP whose
+    projections are arbitrary modules, or None if the input width is unknown.
+    The width is ``gate_proj.in_features`` (nn.Linear, PEFT and quantized
+    layers have it) or the second dim of a 2-D ``gate_proj.weight``; the
+    dtype is that of gate_proj's first floating parameter (a quantized base
+    weight is not floating; LoRA adapters come after the base layer)."""
+    gate = module.gate_proj
+    in_features = getattr(gate, "in_features", None)
+    weight = getattr(gate, "weight", None)
+    if not isinstance(in_features, int) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        in_features = weight.shape[1]
+    if not isinstance(in_features, int) or isinstance(in_features, bool) or in_features < 1:
+        return None
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    dtype = next((p.dtype for p in gate.parameters() if p.dtype in SUPPORTED_DTYPES), torch.get_default_dtype())
+    return in_features, device, dtype
+
+
+def _is_silu_mul_mlp(module: nn.Module) -> bool:
+    """``gate_proj``/``up_proj``/``down_proj`` modules of any kind and a SiLU
+    activation, and nothing else a :class:`SiluMulMLP` would drop: no other
+    child module, no parameter or buffer of its own."""
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in _HF):
+        return False
+    act_name, act = _find_act(module)
+    if act is None:
+        return False
+    if any(name not in (*_HF, act_name) for name, _ in module.named_children()):
+        return False
+    if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+        return False
+    spec = _probe_spec(module)
+    device, dtype = (spec[1], spec[2]) if spec is not None else (None, torch.get_default_dtype())
+    return _is_silu(act, device, dtype)
+
+
+def _forward_matches(module: nn.Module, replacement: nn.Module, in_features: int, device: torch.device,
+                     dtype: torch.dtype) -> bool:
+    """Run the original module and its replacement on a probe input of
+    ``in_features`` (``device``, ``dtype``): equal up to rounding? (A gate/up
+    swap or any other formula differs by O(1).)"""
+    if device.type == "meta":
         return True  # nothing to compute with; the structure check has to do
     gen = torch.Generator(device="cpu").manual_seed(1234)
-    x = torch.randn(4, fused.in_features, generator=gen, dtype=torch.float32).to(w.device, w.dtype)
-    was_training = module.training
+    x = torch.randn(4, in_features, generator=gen, dtype=torch.float32).to(device, dtype)
+    was_training = module.training, replacement.training
     try:
-        module.eval()  # no dropout in the probe
+        module.eval(), replacement.eval()  # no dropout in the probe
         with torch.no_grad():
             expected = module(x)
-            actual = fused(x)
+            actual = replacement(x)
     except Exception:
         return False
     finally:
-        module.train(was_training)
-    if not isinstance(expected, torch.Tensor) or expected.shape != actual.shape:
+        module.train(was_training[0])
+        replacement.train(was_training[1])
+    if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor) \
+            or expected.shape != actual.shape:
         return False
     e, a = expected.double(), actual.double()
     if not (torch.isfinite(e).all() and torch.isfinite(a).all()):
@@ -175,58 +248,80 @@ def _forward_matches(module: nn.Module, fused: SwiGLU) -> bool:
         return a.abs().max().item() == 0.0
     # Both sides round differently (fused: one rounding of h); the error is a
     # few ulps of the dtype, relative. A wrong formula is off by O(1).
-    tol = {torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(w.dtype, 1e-4)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-4)
     return (e - a).pow(2).mean().sqrt().item() <= tol * scale
 
 
 def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
                 recompute_gate_up: bool = False, inplace_backward: bool = False) -> int:
-    """Replace every SwiGLU-style MLP in ``model`` with a :class:`SwiGLUMLP`
-    carrying the same weights (copies, on the same device and dtype, with the
-    same ``requires_grad``, biases included) and return how many were replaced.
+    """Fuse every SwiGLU-style MLP in ``model`` and return how many were patched.
 
-    A module qualifies if it has ``gate_proj``/``up_proj``/``down_proj`` that
-    are plain ``nn.Linear`` and an activation (``act_fn``, ``activation_fn``
-    or ``act``) that computes SiLU (checked on a probe tensor; learnable
-    activations never qualify). With ``verify=True`` (the default) its forward
-    must also match the fused op on a probe input, so a module whose forward
-    is not ``down(silu(gate(x)) * up(x))`` is left alone. Other MLPs
-    (GELU, GeGLU, ...) are untouched. ``strict=True`` raises ``ValueError`` if
-    nothing was replaced. Call it after the weights are loaded and before
-    wrapping the model (DDP, FSDP, torch.compile) or building the optimizer.
-    ``recompute_gate_up`` / ``inplace_backward`` select the memory modes.
+    A module qualifies if it has ``gate_proj``/``up_proj``/``down_proj`` and
+    an activation (``act_fn``, ``activation_fn`` or ``act``) that computes
+    SiLU (checked on a probe tensor; learnable activations never qualify):
+    - plain ``nn.Linear`` projections (one dtype and device, gate and up of
+      one shape): replaced by a :class:`SwiGLUMLP` carrying the same weights
+      (copies, same device, dtype and ``requires_grad``, biases included),
+      the fully fused op. ``recompute_gate_up`` / ``inplace_backward`` select
+      its memory modes.
+    - any other projection modules (PEFT LoRA layers, quantized linears, ...):
+      replaced by a :class:`SiluMulMLP` holding the same projection modules,
+      which fuses ``act(gate_proj(x)) * up_proj(x)`` (:func:`silu_mul`). The
+      MLP must have no other submodule and no parameter of its own.
+    With ``verify=True`` (the default) the module's forward must also match
+    its replacement on a probe input (so a module whose forward is not
+    ``down(silu(gate(x)) * up(x))`` is left alone; projections whose input
+    width cannot be told are then left alone too). Other MLPs (GELU, GeGLU,
+    ...) are untouched. ``strict=True`` raises ``ValueError`` if nothing was
+    patched. Call it after the weights are loaded and adapters added
+    (``peft.get_peft_model``), before wrapping the model (DDP, FSDP,
+    torch.compile) or building the optimizer.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     candidates = []
     for name, module in model.named_modules():
-        if isinstance(module, SwiGLU) or not is_swiglu_mlp(module):
+        if isinstance(module, SwiGLU):
+            continue
+        if is_swiglu_mlp(module):
+            fused = True
+        elif not isinstance(module, SiluMulMLP) and _is_silu_mul_mlp(module):
+            fused = False
+        else:
             continue
         if not name:
             raise ValueError("patch_model: model itself is a SwiGLU MLP and cannot be replaced in "
                              "place; use SwiGLUMLP.from_gate_up_down(model.gate_proj, model.up_proj, "
+                             "model.down_proj) or SiluMulMLP(model.gate_proj, model.up_proj, "
                              "model.down_proj)")
-        candidates.append((name, module))
+        candidates.append((name, module, fused))
     replaced = 0
     skipped = []
-    for name, module in candidates:
-        fused = SwiGLUMLP.from_gate_up_down(module.gate_proj, module.up_proj, module.down_proj,
-                                            recompute_gate_up=recompute_gate_up,
-                                            inplace_backward=inplace_backward)
-        if verify and not _forward_matches(module, fused):
+    for name, module, fused in candidates:
+        if fused:
+            new = SwiGLUMLP.from_gate_up_down(module.gate_proj, module.up_proj, module.down_proj,
+                                              recompute_gate_up=recompute_gate_up,
+                                              inplace_backward=inplace_backward)
+            probe = (new.in_features, new.w12.weight.device, new.w12.weight.dtype)
+        else:
+            new = SiluMulMLP(module.gate_proj, module.up_proj, module.down_proj)
+            probe = _probe_spec(module)
+        if verify and (probe is None or not _forward_matches(module, new, *probe)):
             skipped.append(name)
             continue
-        fused.train(module.training)
+        new.train(module.training)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, fused)
+        setattr(parent, child, new)
         replaced += 1
     if strict and replaced == 0:
         detail = (f" {len(skipped)} candidate(s) had gate/up/down projections and a SiLU activation "
-                  f"but a forward that does not compute down(silu(gate(x)) * up(x)): {skipped[:4]}."
+                  f"but a forward that does not compute down(silu(gate(x)) * up(x)) (or could not be probed): "
+                  f"{skipped[:4]}."
                   if skipped else "")
         raise ValueError(
             f"patch_model(strict=True): no SwiGLU MLP found in {type(model).__name__}. A SwiGLU MLP is "
-            "a module with nn.Linear gate_proj, up_proj and down_proj and a SiLU activation "
-            "(act_fn/activation_fn/act); GELU and GeGLU MLPs are not patched." + detail)
+            "a module with gate_proj, up_proj and down_proj (nn.Linear, LoRA, quantized or other "
+            "modules) and a SiLU activation (act_fn/activation_fn/act); GELU and GeGLU MLPs are not "
+            "patched." + detail)
     return replaced

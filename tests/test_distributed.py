@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib
 import os
 import socket
 import subprocess
@@ -122,8 +123,8 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------
 # single-process references (run in the pytest process)
 
-def reference_run(device="cpu", emulate_bf16_ranks=0):
-    """Loss and grads per step of the same model on the whole batch.
+def reference_run(device="cpu", emulate_bf16_ranks=0, build=build_model):
+    """Loss and grads per step of the same model (``build()``) on the whole batch.
 
     emulate_bf16_ranks=n: what FSDP2 with MixedPrecisionPolicy(bf16 params,
     fp32 reduce) computes on n ranks: per half-batch, a bf16 copy of the fp32
@@ -137,13 +138,13 @@ def reference_run(device="cpu", emulate_bf16_ranks=0):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_run(device, emulate_bf16_ranks)
+        return _reference_run(device, emulate_bf16_ranks, build)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_run(device, emulate_bf16_ranks):
-    model = build_model().to(device)
+def _reference_run(device, emulate_bf16_ranks, build):
+    model = build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, target = (t.to(device) for t in global_batch())
     losses, grads = [], []
@@ -205,10 +206,10 @@ def _train(model, x, target, full_grads, record_warnings=False):
     return {"losses": losses, "grads": grads, "warnings": caught}
 
 
-def _case_fsdp2(rank, world, mixed_precision=False):
+def _case_fsdp2(rank, world, mixed_precision=False, build=build_model):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = build_model("non_reentrant")
+    model = build("non_reentrant")
     views = []
     _view_hooks(model.blocks, views)
     kw = {}
@@ -336,6 +337,9 @@ def _case_fsdp1(rank, world, device):
 
 
 def _run_case(case, rank, world, device="cpu"):
+    if ":" in case:  # "module:function" of another test file, called as function(rank, world)
+        module, function = case.split(":")
+        return getattr(importlib.import_module(module), function)(rank, world)
     if case == "fsdp2":
         return _case_fsdp2(rank, world)
     if case == "fsdp2_bf16":
@@ -392,14 +396,16 @@ def _errors(out_dir: Path, world: int) -> str:
 
 
 def launch(case, tmp_path, monkeypatch, world=WORLD, timeout=RANK_TIMEOUT_S):
-    """Spawns `world` CPU ranks running `case`; returns their results."""
+    """Spawns `world` CPU ranks running `case` (a name above, or "module:function"
+    of another test file); returns their results."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for the process imports
     port = _free_port()
     # forkserver: ranks fork from a server that imported torch once (saves
     # ~3 s of imports per test on 2 cores); fresh processes otherwise, like
     # spawn. The server does no work before forking, so forking it is safe.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "swiglu_cupy", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "swiglu_cupy", __name__,
+                                *case.split(":")[:-1]])
     procs = [ctx.Process(target=_worker, args=(r, world, port, str(tmp_path), case), daemon=True)
              for r in range(world)]
     for p in procs:
