@@ -74,6 +74,13 @@ def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.T
         raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
 
 
+def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    """The caller's buffer, or a new one: the torch implementation writes
+    given buffers in one pass per output (its functional form, with no
+    buffers, is for tracers)."""
+    return torch.empty(shape, dtype=like.dtype, device=like.device) if out is None else out
+
+
 def _use_kernels(x12: torch.Tensor, implementation: str | None, launcher) -> bool:
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
@@ -91,7 +98,7 @@ def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
         _check_like("out", out, (x12.shape[0], H), x12)
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_forward(x12, out, launcher)
-    return reference_torch.swiglu_forward(x12, out)
+    return reference_torch.swiglu_forward(x12, _or_new(out, (x12.shape[0], H), x12))
 
 
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
@@ -103,18 +110,20 @@ def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor 
         _check_like("dx12_out", dx12_out, tuple(x12.shape), x12)
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_backward(x12, dh, dx12_out, launcher)
-    return reference_torch.swiglu_backward(x12, dh, dx12_out)
+    return reference_torch.swiglu_backward(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
+                                           h_out=_or_new(None, tuple(dh.shape), x12))
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
                      implementation: str | None = None, launcher=None) -> torch.Tensor:
     _check_gate(gate)
-    _check_like("up", up, tuple(gate.shape), gate, "gate")
+    shape = tuple(gate.shape)
+    _check_like("up", up, shape, gate, "gate")
     if out is not None:
-        _check_like("out", out, tuple(gate.shape), gate, "gate")
+        _check_like("out", out, shape, gate, "gate")
     if _use_kernels(gate, implementation, launcher):
         return kernels.silu_mul_forward(gate, up, out, launcher)
-    return reference_torch.silu_mul_forward(gate, up, out)
+    return reference_torch.silu_mul_forward(gate, up, _or_new(out, shape, gate))
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
@@ -130,4 +139,5 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
             _check_like(name, t, shape, gate, "gate")
     if _use_kernels(gate, implementation, launcher):
         return kernels.silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
-    return reference_torch.silu_mul_backward(gate, up, dh, dgate_out, dup_out)
+    return reference_torch.silu_mul_backward(gate, up, dh, _or_new(dgate_out, shape, gate),
+                                             _or_new(dup_out, shape, gate))
