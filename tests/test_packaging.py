@@ -22,11 +22,14 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_contains_the_kernel_sources(wheel):
+def test_wheel_contains_the_kernel_sources_and_every_module(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for source in sorted(p.name for p in (REPO / "kernels_cu").iterdir()):
         assert f"swiglu_cupy/kernels_cu/{source}" in names
-    assert "swiglu_cupy/__init__.py" in names
+    modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "swiglu_cupy").rglob("*.py"))
+    assert "swiglu_cupy/bench/__init__.py" in modules  # subpackages included
+    for module in modules:
+        assert module in names, module
 
 
 def test_installed_wheel_compiles_its_own_kernels(wheel, tmp_path):
