@@ -94,6 +94,7 @@ def free_memory(device: torch.device) -> None:
 
 
 def short_error(exc: BaseException) -> str:
+    """A failure as one line of at most 300 characters, for a result's ``reason``."""
     text = f"{type(exc).__name__}: {exc}".strip()
     first = text.splitlines()[0] if text else type(exc).__name__
     return first[:300]
