@@ -1,4 +1,4 @@
-"""The wheel carries kernels_cu: build it, install it into a fresh venv
+"""The wheel carries kernels_cu: build it, install it into a fresh directory
 outside the repository, and compile a kernel from the installed copy."""
 import os
 import subprocess
@@ -22,36 +22,50 @@ def wheel(tmp_path_factory) -> Path:
     return whl
 
 
-def test_wheel_contains_the_kernel_sources(wheel):
+def test_wheel_contains_the_kernel_sources_and_every_module(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     for source in sorted(p.name for p in (REPO / "kernels_cu").iterdir()):
         assert f"swiglu_cupy/kernels_cu/{source}" in names
-    assert "swiglu_cupy/__init__.py" in names
+    modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "swiglu_cupy").rglob("*.py"))
+    assert "swiglu_cupy/bench/__init__.py" in modules  # subpackages included
+    for module in modules:
+        assert module in names, module
 
 
 def test_installed_wheel_compiles_its_own_kernels(wheel, tmp_path):
-    venv = tmp_path / "venv"
-    # System site-packages supply torch/cupy/nvidia wheels; the package itself
-    # comes only from the wheel (the venv's site-packages come first).
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    python = venv / "bin" / "python"
-    proc = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)],
+    """The wheel goes into its own directory, which leads sys.path of the
+    interpreter running this suite. That interpreter keeps its own site setup
+    (venv, system, conda, user site), so torch, CuPy and the nvidia wheels,
+    and the NVRTC that CuPy locates through ``site.getsitepackages()``, are
+    found as they are here; a nested venv would see other site-packages.
+
+    The checkout follows the wheel on sys.path, as an editable install's
+    ``.pth`` puts it after site-packages: every swiglu_cupy module must still
+    come from the wheel."""
+    target = tmp_path / "installed"
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                           "--target", str(target), str(wheel)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     script = textwrap.dedent("""
-        import torch, swiglu_cupy
+        import sys, torch, swiglu_cupy
         from pathlib import Path
         from swiglu_cupy import _sources
         from swiglu_cupy.compile_check import compile_module
-        pkg = Path(swiglu_cupy.__file__).resolve().parent
-        assert str(pkg).startswith(str(Path(%r).resolve())), pkg
+        pkg = Path(%r).resolve() / "swiglu_cupy"
+        assert Path(swiglu_cupy.__file__).resolve().parent == pkg, swiglu_cupy.__file__
         assert _sources.kernel_dir() == pkg / "kernels_cu", _sources.kernel_dir()
         reports, cubin = compile_module(torch.bfloat16, "sm_90")
         assert len(cubin) > 0 and {r.kernel for r in reports} == set(_sources.kernel_names())
+        elsewhere = sorted(name for name, mod in list(sys.modules.items())
+                           if name.split(".")[0] == "swiglu_cupy" and getattr(mod, "__file__", None)
+                           and not Path(mod.__file__).resolve().is_relative_to(pkg))
+        assert not elsewhere, elsewhere
         print("OK", pkg)
-    """ % str(venv))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True,
+    """ % str(target))
+    inherited = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(REPO), *inherited]))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("OK")

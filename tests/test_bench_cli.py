@@ -1,6 +1,8 @@
-"""`python -m swiglu_cupy bench` and `selftest` on the CPU, run as subprocesses.
+"""`python -m swiglu_cupy bench` and `selftest` on the CPU, run as subprocesses,
+and the resolution of bench arguments into shapes and settings.
 
 Timing values are never checked beyond being positive and finite."""
+import argparse
 import json
 import math
 import os
@@ -10,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from swiglu_cupy.bench import CONTENDERS, LOWER_BOUND
+from swiglu_cupy.bench import CONTENDERS, LOWER_BOUND, Settings, Shape, add_arguments, resolve
 
 ENV_KEYS = ("date", "device", "python", "torch", "torch_cuda", "cupy", "cuda_runtime", "driver",
             "gpu_name", "swiglu_cupy")
@@ -143,3 +145,36 @@ def test_selftest_without_cuda(tmp_path):
     proc = _cli("selftest", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert "selftest needs a CUDA GPU" in proc.stderr
+
+
+def _resolve(*argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return resolve(parser.parse_args(argv))
+
+
+def test_resolve_cpu_defaults_to_the_smoke_configuration():
+    shapes, settings = _resolve("--device", "cpu")
+    assert shapes == [Shape("smoke", 64, 176, 32, "fp32")]
+    assert settings == Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=200, copy_mib=32)
+
+
+def test_resolve_sweeps_dtype_then_shape_then_tokens_and_overrides_counts():
+    shapes, settings = _resolve("--device", "cpu", "--preset", "llama7b", "--dim", "8", "--hidden", "24",
+                                "--tokens", "2", "4", "--dtype", "bf16", "fp16", "--repeats", "7", "--warmup", "0")
+    assert [(s.name, s.D, s.H, s.M, s.dtype) for s in shapes] == [
+        ("llama7b", 4096, 11008, 2, "bf16"), ("llama7b", 4096, 11008, 4, "bf16"),
+        ("custom", 8, 24, 2, "bf16"), ("custom", 8, 24, 4, "bf16"),
+        ("llama7b", 4096, 11008, 2, "fp16"), ("llama7b", 4096, 11008, 4, "fp16"),
+        ("custom", 8, 24, 2, "fp16"), ("custom", 8, 24, 4, "fp16")]
+    assert (settings.repeats, settings.warmup) == (7, 0)
+
+
+def test_resolve_explicit_shape_on_cpu_keeps_the_smoke_token_count():
+    shapes, _ = _resolve("--device", "cpu", "--dim", "8", "--hidden", "24")
+    assert shapes == [Shape("custom", 8, 24, 32, "fp32")]
+
+
+def test_resolve_rejects_a_half_custom_shape():
+    with pytest.raises(ValueError, match="--dim and --hidden go together"):
+        _resolve("--device", "cpu", "--hidden", "24")

@@ -1,0 +1,31 @@
+"""``python -m swiglu_cupy bench``: SwiGLU feed-forward contenders measured in one run.
+
+Measured: forward, backward and forward+backward time (CUDA events, or
+``time.perf_counter`` on CPU; median, p10-p90, min/max over repeats after
+warm-up), the elementwise kernels' bandwidth against a device copy, peak
+memory (fwd+bwd and no-grad forward), host overhead per call at a tiny shape,
+and the kernels' cold-compile and warm-start time in fresh processes.
+Anything that needs CUDA is recorded as null with the reason on CPU.
+
+One module per job:
+
+- ``config``: model presets, dtypes, the shapes and settings of a run;
+- ``contenders``: the modules compared and the runners that call them;
+- ``measure``: the clock, statistics, peak memory, copy rate, and what is
+  measured per shape, per contender and for host overhead;
+- ``compile_probe``: cold/warm kernel compile in fresh processes;
+- ``environment``: versions, device and commit recorded with the results;
+- ``report``: the text table and the PNG;
+- ``cli``: arguments, their resolution into shapes and settings, and ``run``.
+
+A new measurement mode gets its own module beside ``measure``, reusing its
+``Clock``, ``stats`` and copy rate, and is wired in through ``cli``.
+"""
+from .cli import add_arguments, resolve, run
+from .config import DTYPES, PRESETS, Settings, Shape
+from .contenders import CONTENDERS, LABELS, LOWER_BOUND
+from .measure import Clock, stats
+from .report import format_table, plot
+
+__all__ = ["add_arguments", "resolve", "run", "DTYPES", "PRESETS", "Settings", "Shape", "CONTENDERS",
+           "LABELS", "LOWER_BOUND", "Clock", "stats", "format_table", "plot"]
