@@ -1,0 +1,425 @@
+"""Tensor parallelism (swiglu_cupy.parallel.SwiGLUTensorParallel) against one process.
+
+Each CPU test starts gloo ranks through tests/rank_launcher.py (a rank that
+fails or hangs fails the test within RANK_TIMEOUT_S). The ranks return plain
+CPU tensors; the parent compares them with the same block run unsharded in
+one process, in fp32.
+
+Tolerances: TP changes only summation order (each rank sums over its H/tp
+hidden units, then the partial outputs are added; dx likewise), a few fp32
+roundings (eps 1.2e-7) of terms no larger than the result's scale, so
+rtol/atol 1e-5 (~80 eps) holds; a wrong shard, a missed or doubled
+reduction, or a swapped gate/up half is an O(1) error.
+
+Also the torchrun worker of the GPU (nccl) test:
+    torchrun --nproc_per_node=2 tests/test_parallel.py --case tp --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import rank_launcher
+import swiglu_cupy as sc
+from conftest import assert_nontrivial
+from swiglu_cupy.parallel import SwiGLUTensorParallel, reject_distributed_weights
+
+D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
+BATCH, SEQ = 2, 4          # SEQ divisible by the TP size (sequence parallel)
+TP = 2
+RANK_TIMEOUT_S = 60
+RTOL = ATOL = 1e-5
+PARAMS = ("w12.weight", "w12.bias", "w3.weight", "w3.bias")
+
+# The device cases run on: CPU for the spawned gloo ranks, the rank's GPU
+# under torchrun with nccl (set in _torchrun_main).
+DEVICE = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------
+# shared by the ranks and the reference
+
+def build_block(seed=0, **kwargs) -> sc.SwiGLU:
+    torch.manual_seed(seed)
+    return sc.SwiGLU(D, H, O, **kwargs).to(DEVICE)
+
+
+def block_data(seq_first=False):
+    """x [BATCH, SEQ, D] and the output grad dy [BATCH, SEQ, O] (loss =
+    sum(y * dy): every output element gets its own weight). seq_first:
+    both transposed to [SEQ, BATCH, ...]."""
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(BATCH, SEQ, D, generator=g), torch.randn(BATCH, SEQ, O, generator=g)
+    if seq_first:
+        x, dy = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()
+    return x.to(DEVICE), dy.to(DEVICE)
+
+
+def reference(seq_first=False, **kwargs):
+    """Output, dx and every parameter grad of the unsharded block."""
+    block = build_block(**kwargs)
+    x, dy = block_data(seq_first)
+    x.requires_grad_()
+    y = block(x)
+    (y * dy).sum().backward()
+    return {"out": y.detach().cpu(), "dx": x.grad.cpu(),
+            "grads": {n: p.grad.cpu() for n, p in block.named_parameters()},
+            "params": {n: p.detach().cpu() for n, p in block.named_parameters()}}
+
+
+def _mesh(world):
+    return init_device_mesh(DEVICE.type, (world,))
+
+
+def _run_tp_block(block, x, dy):
+    """Forward + backward of a parallelized block on this rank's x / dy."""
+    x = x.clone().requires_grad_()
+    y = block(x)
+    (y * dy).sum().backward()
+    return {"out": y.detach().cpu(), "dx": x.grad.cpu(),
+            "grads": {n: p.grad.full_tensor().cpu() for n, p in block.named_parameters()},
+            "grad_placements": {n: str(p.grad.placements) for n, p in block.named_parameters()}}
+
+
+def _error_text(fn):
+    try:
+        fn()
+    except Exception as e:  # the test inspects the type and the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------
+# rank side
+
+def _case_tp(rank, world):
+    mesh = _mesh(world)
+    x, dy = block_data()
+    res = {}
+    for label, kwargs in (("bias", {}), ("no_bias", {"bias": False}),
+                          ("recompute", {"recompute_gate_up": True})):
+        block = parallelize_module(build_block(**kwargs), mesh, SwiGLUTensorParallel())
+        r = _run_tp_block(block, x, dy)
+        if label == "bias":
+            r["local"] = {n: p.to_local().detach().cpu() for n, p in block.named_parameters()}
+            r["full"] = {n: p.full_tensor().detach().cpu() for n, p in block.named_parameters()}
+            r["placements"] = {n: str(p.placements) for n, p in block.named_parameters()}
+            with torch.no_grad():
+                r["no_grad_out"] = block(x).cpu()
+            r["class"] = type(block).__name__
+        res[label] = r
+    # inside a plan dict, on a submodule
+    model = torch.nn.Sequential(build_block())
+    parallelize_module(model, mesh, {"0": SwiGLUTensorParallel()})
+    res["plan"] = _run_tp_block(model[0], x, dy)
+
+    def plain_tp_forward():
+        plain = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel(), "w3": RowwiseParallel()})
+        return plain(x)
+
+    odd = sc.SwiGLU(D, 2 * world + 1).to(DEVICE)  # H not divisible by world
+    twice = parallelize_module(build_block(), mesh, SwiGLUTensorParallel())
+    colwise = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel()})
+    res["errors"] = {
+        "indivisible": _error_text(lambda: parallelize_module(odd, mesh, SwiGLUTensorParallel())),
+        "twice": _error_text(lambda: parallelize_module(twice, mesh, SwiGLUTensorParallel())),
+        "after_colwise": _error_text(lambda: parallelize_module(colwise, mesh, SwiGLUTensorParallel())),
+        "not_swiglu": _error_text(lambda: parallelize_module(torch.nn.Linear(D, D), mesh,
+                                                             SwiGLUTensorParallel())),
+        "reject_dtensor": _error_text(lambda: reject_distributed_weights(w12=colwise.w12.weight)),
+        "plain_colwise_forward": _error_text(plain_tp_forward),
+        "bad_sequence_dim": _error_text(lambda: parallelize_module(
+            build_block(), mesh, SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=2))(x)),
+    }
+    return res
+
+
+def _case_sp(rank, world):
+    """Sequence parallel: this rank's equal slice of the sequence in, its
+    slice of the output out; on dim 1 of [B, S, D] and on dim 0 of [S, B, D]."""
+    mesh = _mesh(world)
+    res = {}
+    for seq_dim, seq_first in ((1, False), (0, True)):
+        x, dy = block_data(seq_first)
+        style = SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=seq_dim)
+        block = parallelize_module(build_block(), mesh, style)
+        res[seq_dim] = _run_tp_block(block, x.chunk(world, seq_dim)[rank], dy.chunk(world, seq_dim)[rank])
+    return res
+
+
+def _full_params(module):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in module.named_parameters()}
+
+
+def _dcp_load(module, path):
+    state = module.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    module.load_state_dict(state)
+    return _full_params(module)
+
+
+def _case_dcp(case, rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    path = case[1]
+    mesh = _mesh(world)
+    saved = parallelize_module(build_block(), mesh, SwiGLUTensorParallel())
+    state = saved.state_dict()
+    res = {"state_full": {k: v.full_tensor().cpu() for k, v in state.items()},
+           "state_types": {k: type(v).__name__ for k, v in state.items()}}
+    dcp.save(state, checkpoint_id=path)
+    # into fresh modules with other initial values
+    res["tp"] = _dcp_load(parallelize_module(build_block(seed=7), mesh, SwiGLUTensorParallel()), path)
+    fsdp = build_block(seed=7)
+    fully_shard(fsdp, mesh=mesh)
+    res["fsdp2"] = _dcp_load(fsdp, path)
+    # an unparallelized state dict (torch.save layout) into a TP module
+    tp_from_plain = parallelize_module(build_block(seed=7), mesh, SwiGLUTensorParallel())
+    tp_from_plain.load_state_dict(build_block().state_dict())
+    res["tp_from_plain"] = _full_params(tp_from_plain)
+    res["tp_from_plain_local"] = {n: p.to_local().detach().cpu() for n, p in tp_from_plain.named_parameters()}
+    return res
+
+
+def _case_2d(case, rank, world):
+    """FSDP2 over dp on top of TP over tp (2 x 2), the training run of
+    test_distributed (3 residual blocks, non-reentrant checkpointing, root
+    LayerNorm, 2 SGD steps); then a DCP save of the 2-D state."""
+    from torch.distributed.fsdp import fully_shard
+
+    import test_distributed as td
+
+    mesh = init_device_mesh(DEVICE.type, (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    model = td.build_model("non_reentrant").to(DEVICE)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], SwiGLUTensorParallel())
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    # tp ranks of one dp group see the same data
+    x, target = (t.to(DEVICE) for t in td.local_batch(mesh["dp"].get_local_rank(), world // TP))
+
+    def full_grads(m):
+        return {n: p.grad.full_tensor().detach().cpu() for n, p in m.named_parameters()}
+
+    result = td._train(model, x, target, full_grads)
+    result["local_shape"] = tuple(model.blocks[0].w12.weight.to_local().shape)
+    result["placements"] = str(model.blocks[0].w12.weight.placements)
+    dcp.save(model.state_dict(), checkpoint_id=case[1])
+    result["full_after"] = _full_params(model)
+    return result
+
+
+def run_case(case, rank, world):
+    name = case[0] if isinstance(case, tuple) else case
+    if name == "tp":
+        return _case_tp(rank, world)
+    if name == "sp":
+        return _case_sp(rank, world)
+    if name == "dcp":
+        return _case_dcp(case, rank, world)
+    if name == "2d":
+        return _case_2d(case, rank, world)
+    raise ValueError(case)
+
+
+# ----------------------------------------------------------------------------
+# parent side
+
+def launch(case, tmp_path, monkeypatch, world=TP):
+    return rank_launcher.launch(run_case, case, tmp_path, monkeypatch, world, RANK_TIMEOUT_S)
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def assert_block_matches(r, ref, out_slice=lambda t: t):
+    """Output and dx (this rank's part of them) and every full parameter
+    grad, non-trivial, equal to the unsharded block's."""
+    close(r["out"], out_slice(ref["out"]), "output")
+    assert_nontrivial(r["dx"], "dx")
+    close(r["dx"], out_slice(ref["dx"]), "dx")
+    assert sorted(r["grads"]) == sorted(ref["grads"])
+    for name, g in ref["grads"].items():
+        assert_nontrivial(r["grads"][name], name)
+        close(r["grads"][name], g, f"grad {name}")
+
+
+def check_tp_results(results, world):
+    ref = reference()
+    rows = H // world
+    for rank, res in enumerate(results):
+        r = res["bias"]
+        assert r["class"] == "TensorParallelSwiGLU"
+        assert_block_matches(r, ref)
+        close(r["no_grad_out"], ref["out"], "no-grad output")
+        assert_block_matches(res["no_bias"], reference(bias=False))
+        assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
+        assert_block_matches(res["plan"], ref)
+        # canonical layout: full_tensor() is the unsharded parameter
+        for name in PARAMS:
+            assert torch.equal(r["full"][name], ref["params"][name]), name
+        # each rank holds only its shard: gate rows and up rows of its slice
+        w12, b12, w3 = ref["params"]["w12.weight"], ref["params"]["w12.bias"], ref["params"]["w3.weight"]
+        mine = slice(rank * rows, (rank + 1) * rows)
+        up = slice(H + rank * rows, H + (rank + 1) * rows)
+        assert torch.equal(r["local"]["w12.weight"], torch.cat([w12[mine], w12[up]]))
+        assert torch.equal(r["local"]["w12.bias"], torch.cat([b12[mine], b12[up]]))
+        assert torch.equal(r["local"]["w3.weight"], w3[:, mine])
+        assert torch.equal(r["local"]["w3.bias"], ref["params"]["w3.bias"])
+        assert "_StridedShard(dim=0, sf=2)" in r["placements"]["w12.weight"]
+        assert r["placements"]["w3.bias"] == "(Replicate(),)"
+        # replicated input and output: every parameter's grad has its own layout
+        assert r["grad_placements"] == r["placements"]
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """The "tp" case, run once for the two tests that read it."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return launch("tp", tmp_path_factory.mktemp("tp"), monkeypatch)
+
+
+def test_tensor_parallel_matches_one_process(tp_results):
+    """TP=2, replicated input: output, dx and every parameter grad (full,
+    canonical layout) with and without biases, with recompute_gate_up, and
+    inside a plan dict; the local shards; full_tensor() of each parameter."""
+    check_tp_results(tp_results, TP)
+
+
+def test_tensor_parallel_errors(tp_results):
+    errors = tp_results[0]["errors"]
+    assert errors["indivisible"].startswith("ValueError")
+    assert f"H={2 * TP + 1}" in errors["indivisible"] and f"size {TP}" in errors["indivisible"]
+    for key in ("twice", "after_colwise"):
+        assert errors[key].startswith("ValueError") and "already a DTensor" in errors[key], errors[key]
+    assert errors["not_swiglu"].startswith("TypeError") and "Linear" in errors["not_swiglu"]
+    assert errors["reject_dtensor"].startswith("TypeError")
+    assert "SwiGLUTensorParallel" in errors["reject_dtensor"] and "w12" in errors["reject_dtensor"]
+    # a generic ColwiseParallel/RowwiseParallel plan never runs silently
+    assert errors["plain_colwise_forward"] != "no error"
+    assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
+
+
+def test_sequence_parallel_matches_one_process(tmp_path, monkeypatch):
+    """Input and output sharded on the sequence dim (dim 1 of [B, S, D], and
+    dim 0 of [S, B, D] via sequence_dim=0): each rank's output and dx slice
+    and every full parameter grad equal the unsharded block's."""
+    results = launch("sp", tmp_path, monkeypatch)
+    for seq_dim, seq_first in ((1, False), (0, True)):
+        ref = reference(seq_first=seq_first)
+        for rank, res in enumerate(results):
+            assert_block_matches(res[seq_dim], ref, lambda t, r=rank, d=seq_dim: t.chunk(TP, d)[r])
+
+
+def test_dcp_round_trips(tmp_path, monkeypatch):
+    """DCP save at TP=2 stores the canonical [2H, D] w12 (in 2 chunks per
+    rank) and loads into TP=2, into FSDP2, and into a plain module."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "ckpt"
+    results = launch(("dcp", str(path)), tmp_path, monkeypatch)
+    canonical = reference()["params"]
+    rows = H // TP
+    chunks = FileSystemReader(str(path)).read_metadata().state_dict_metadata["w12.weight"].chunks
+    assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(i * rows, rows) for i in range(2 * TP)]
+    for res in results:
+        assert res["state_types"]["w3.weight"] == "DTensor"
+        for name in PARAMS:
+            assert torch.equal(res["state_full"][name], canonical[name]), name
+            for target in ("tp", "fsdp2", "tp_from_plain"):
+                assert torch.equal(res[target][name], canonical[name]), (target, name)
+    assert torch.equal(results[1]["tp_from_plain_local"]["w3.weight"], canonical["w3.weight"][:, rows:])
+    # the checkpoint on disk, as one torch.save file, into an unparallelized module
+    dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
+    state = torch.load(tmp_path / "full.pt")
+    assert tuple(state["w12.weight"].shape) == (2 * H, D)
+    plain = sc.SwiGLU(D, H, O)
+    plain.load_state_dict(state)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), canonical[name]), name
+
+
+def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
+    """4 ranks, mesh (dp=2, tp=2): FSDP2 over dp on top of TP; loss and every
+    full grad for 2 SGD steps equal one process (test_distributed's model and
+    reference), and the 2-D sharded state saves through DCP as the canonical
+    layout."""
+    import test_distributed as td
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "ckpt2d"
+    results = launch(("2d", str(path)), tmp_path, monkeypatch, world=4)
+    ref = td.reference_run()
+    for res in results:
+        td.assert_matches(res, ref)
+        # dp and tp both shard w12: a quarter of its 2H rows on each rank
+        assert res["local_shape"] == (2 * td.H // 4, td.D), res["local_shape"]
+    dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
+    state = torch.load(tmp_path / "full.pt")
+    for name, p in results[0]["full_after"].items():
+        assert torch.equal(state[name], p), name
+    plain = td.build_model()
+    plain.load_state_dict(state)
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_nccl_torchrun(tmp_path):
+    """The TP case on GPUs with nccl under torchrun (one GPU per rank; with a
+    single GPU it runs TP=1, which still exercises DTensor + the CUDA kernels)."""
+    world = min(TP, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           "--master_addr=127.0.0.1", f"--master_port={rank_launcher.free_port()}",
+           str(Path(__file__).resolve()), "--case", "tp", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_TIMEOUT_S + 60,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_launcher.rank_errors(tmp_path, world)}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
+                    f"{rank_launcher.rank_errors(tmp_path, world)}")
+    global DEVICE
+    DEVICE = torch.device("cuda")
+    try:
+        check_tp_results([torch.load(tmp_path / f"rank{r}.pt") for r in range(world)], world)
+    finally:
+        DEVICE = torch.device("cpu")
+
+
+def _torchrun_main():
+    """torchrun worker: nccl + CUDA."""
+    global DEVICE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(args.out)
+    try:
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE, timeout=datetime.timedelta(seconds=60))
+        torch.save(run_case(args.case, rank, world), out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    _torchrun_main()
