@@ -8,23 +8,31 @@
 
 Sharding over a 1-D mesh of size ``tp`` (H = hidden_features, H % tp == 0):
 
-- ``w12.weight`` ``[2H, D]`` and ``w12.bias`` ``[2H]``: rank r holds the gate
-  rows **and** the up rows of hidden slice r, packed as ``[gate_r; up_r]``
-  (H/tp rows each). As DTensors they are ``_StridedShard(0, split_factor=2)``,
-  so ``full_tensor()`` is the canonical ``[gate; up]`` of the unsharded module.
-  (A plain ``Shard(0)`` - what ``ColwiseParallel`` does - would give rank 0
-  only gate rows and rank 1 only up rows: silently wrong.)
+- ``w12.weight`` ``[2H, D]``: rank r holds the gate rows **and** the up rows
+  of hidden slice r, packed as ``[gate_r; up_r]`` (H/tp rows each). As a
+  DTensor it is ``_StridedShard(0, split_factor=2)``, so ``full_tensor()`` is
+  the canonical ``[gate; up]`` of the unsharded module. (A plain
+  ``Shard(0)`` - what ``ColwiseParallel`` does - would give rank 0 only gate
+  rows and rank 1 only up rows: silently wrong.)
+- ``w12.bias`` ``[2H]``: replicated; each rank reads its ``[gate_r; up_r]``
+  slice (2H/tp values) and its grad is summed over the ranks. (A strided
+  bias could not be sharded again by FSDP2 along any dim with a correct
+  DTensor layout: see :func:`fsdp_shard_placement`.)
 - ``w3.weight`` ``[O, H]``: ``Shard(1)``, the matching columns.
-- ``w3.bias``: ``Replicate()``, added once, after the reduction.
+- ``w3.bias``: replicated, added once, after the reduction.
 
-Forward runs the fused op on the local tensors (no weight copies): the input
+With FSDP2 on top (2-D), pass ``shard_placement_fn=fsdp_shard_placement`` to
+``fully_shard``.
+
+Forward runs the fused op on the local shards (no weight copies; only the
+2H/tp bias values are gathered): the input
 is replicated (or all-gathered from sequence shards), each rank computes its
 partial ``[..., O]`` output, and the partial outputs are all-reduced (or
 reduce-scattered back to sequence shards). The collectives are DTensor
 redistributions, so ``torch.compile`` can trace them.
 
-Checkpoints: in ``state_dict()`` the two packed parameters are DTensors that
-describe their local rows to ``torch.distributed.checkpoint`` as contiguous
+Checkpoints: in ``state_dict()`` the packed ``w12.weight`` is a DTensor that
+describes its local rows to ``torch.distributed.checkpoint`` as contiguous
 chunks of the canonical global tensor (the gate chunk at row ``r*H/tp``, the
 up chunk at row ``H + r*H/tp``), so DCP stores the canonical ``[2H, D]`` and
 reshards it on load like any other tensor.
@@ -57,11 +65,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .interface import swiglu
 from .module import SwiGLU
 
-__all__ = ["SwiGLUTensorParallel", "reject_distributed_weights"]
+__all__ = ["SwiGLUTensorParallel", "fsdp_shard_placement", "reject_distributed_weights"]
 
 # Packed [gate; up] rows split into 2 halves, each sharded over the mesh.
 PACKED_ROWS = _StridedShard(0, split_factor=2)
-_PACKED = ("w12.weight", "w12.bias")
 
 
 def reject_distributed_weights(**weights) -> None:
@@ -86,26 +93,55 @@ def reject_distributed_weights(**weights) -> None:
                 "parallelize_module(mlp, tp_mesh, SwiGLUTensorParallel()).")
 
 
+def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
+    """``shard_placement_fn`` for ``fully_shard`` on top of
+    :class:`SwiGLUTensorParallel`: the packed ``w12.weight`` is sharded over
+    the data-parallel mesh along dim 1 (D must be divisible by its size),
+    every other parameter along dim 0 (FSDP2's default).
+
+    Along dim 0, FSDP2 would cut this rank's ``[gate_r; up_r]`` into
+    contiguous pieces, whose global rows no DTensor placement can describe
+    for more than 2 data-parallel ranks (and FSDP2 mislabels them for 2);
+    along dim 1 the placements are simply ``(Shard(1), _StridedShard(0, 2))``.
+    """
+    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0
+                                          for p in param.placements):
+        return Shard(1)
+    return None
+
+
 # ----------------------------------------------------------------------------
 # DCP: packed parameters as chunks of the canonical global tensor
 
-def _local_row_runs(dt: DTensor) -> list[tuple[int, int, int]]:
-    """``(global_row, local_row, n_rows)`` for each run of consecutive global
-    rows held in ``dt``'s local tensor, in local order.
+def _global_ids(dt: DTensor, dim: int) -> list[int]:
+    """The global indices, along ``dim``, of ``dt``'s local tensor: an arange
+    sharded with the same mesh and the placements that split ``dim`` (no
+    communication). Works for any mix of Shard, _StridedShard and Replicate,
+    e.g. FSDP2's 2-D (dp, tp) placements."""
+    placements = [type(p)(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) and p.dim == dim
+                  else Shard(0) if isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == dim
+                  else Replicate() for p in dt.placements]
+    return distribute_tensor(torch.arange(dt.shape[dim]), dt.device_mesh, placements,
+                             src_data_rank=None).to_local().tolist()
 
-    Works for any mix of Replicate and dim-0 (strided) shard placements,
-    including FSDP2's 2-D (dp, tp) ones: the global row ids are sharded with
-    the same mesh and placements, without communication."""
-    if any(isinstance(p, (Shard, _StridedShard)) and p.dim != 0 for p in dt.placements):
-        raise ValueError(f"expected shards on dim 0 only, got placements {tuple(dt.placements)}")
-    ids = distribute_tensor(torch.arange(dt.shape[0]), dt.device_mesh, dt.placements,
-                            src_data_rank=None).to_local().tolist()
-    runs, start = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            runs.append((ids[start], start, i - start))
+
+def _local_blocks(dt: DTensor) -> list[tuple[tuple[int, ...], int, int]]:
+    """``(global_offsets, local_row, n_rows)`` for each run of consecutive
+    global rows in ``dt``'s local tensor, in local order; the other dims must
+    each hold one contiguous range (plain Shard or Replicate)."""
+    col_offsets = []
+    for dim in range(1, dt.dim()):
+        ids = _global_ids(dt, dim)
+        if ids != list(range(ids[0], ids[0] + len(ids))) if ids else False:
+            raise ValueError(f"expected a contiguous range along dim {dim}, got placements "
+                             f"{tuple(dt.placements)}")
+        col_offsets.append(ids[0] if ids else 0)
+    rows, blocks, start = _global_ids(dt, 0), [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            blocks.append(((rows[start], *col_offsets), start, i - start))
             start = i
-    return runs
+    return blocks
 
 
 class _RowChunkedDTensor(DTensor):
@@ -119,47 +155,50 @@ class _RowChunkedDTensor(DTensor):
     each chunk into, a row view of the local tensor: loading fills the
     parameter in place."""
 
-    _row_runs: list[tuple[int, int, int]]
+    _blocks: list[tuple[tuple[int, ...], int, int]]
 
     @staticmethod
     def wrap(dt: DTensor) -> _RowChunkedDTensor:
-        local = dt.to_local().detach()
-        out = _RowChunkedDTensor(local, dt._spec, requires_grad=False)
-        out._row_runs = _local_row_runs(dt)
+        out = _RowChunkedDTensor(dt.to_local().detach(), dt._spec, requires_grad=False)
+        out._blocks = _local_blocks(dt)
         return out
 
-    def _chunk(self, global_row: int, n_rows: int) -> ChunkStorageMetadata:
-        rest = self.shape[1:]
-        return ChunkStorageMetadata(offsets=torch.Size((global_row, *[0] * len(rest))),
-                                    sizes=torch.Size((n_rows, *rest)))
+    def _chunk(self, offsets: tuple[int, ...], n_rows: int) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                    sizes=torch.Size((n_rows, *self._local_tensor.shape[1:])))
 
     def __create_write_items__(self, fqn, object):
         properties = TensorProperties.create_from_tensor(self._local_tensor)
-        items = []
-        for global_row, _, n in self._row_runs:
-            chunk = self._chunk(global_row, n)
-            items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                                   tensor_data=TensorWriteData(chunk=chunk, properties=properties,
-                                                               size=self.size())))
-        return items
+        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()))
+                for chunk in self.__create_chunk_list__()]
 
     def __create_chunk_list__(self):
-        return [self._chunk(global_row, n) for global_row, _, n in self._row_runs]
+        return [self._chunk(offsets, n) for offsets, _, n in self._blocks]
 
     def __get_tensor_shard__(self, index):
-        for global_row, local_row, n in self._row_runs:
-            if index.offset is not None and index.offset[0] == global_row:
+        for offsets, local_row, n in self._blocks:
+            if index.offset is not None and tuple(index.offset) == offsets:
                 return self._local_tensor.narrow(0, local_row, n)
         raise ValueError(f"no local chunk of {index.fqn} starts at {index.offset}; "
-                         f"local row runs {self._row_runs}")
+                         f"local blocks {self._blocks}")
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    for name in _PACKED:
-        value = state_dict.get(prefix + name)
-        if isinstance(value, DTensor) and not isinstance(value, _RowChunkedDTensor) and any(
-                isinstance(p, _StridedShard) for p in value.placements):
-            state_dict[prefix + name] = _RowChunkedDTensor.wrap(value)
+    value = state_dict.get(prefix + "w12.weight")
+    if not isinstance(value, DTensor) or isinstance(value, _RowChunkedDTensor):
+        return
+    strided = [p for p in value.placements if isinstance(p, _StridedShard)]
+    if len(strided) > 1:
+        # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard:
+        # the data is right, but no DTensor placement describes it.
+        raise ValueError(
+            f"{prefix}w12.weight was sharded by FSDP2 along dim 0 on top of SwiGLUTensorParallel "
+            f"(placements {tuple(value.placements)}), so its full_tensor() and state_dict would be "
+            "permuted. Pass shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement to "
+            "fully_shard: it shards the packed weight along dim 1 instead.")
+    if strided:
+        state_dict[prefix + "w12.weight"] = _RowChunkedDTensor.wrap(value)
 
 
 def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -200,8 +239,12 @@ class _TensorParallelForward:
         # sum (this rank's hidden slice), reduced back to the input layout.
         x_local = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
         b12 = self.w12.bias
-        y = swiglu(x_local, self.w12.weight.to_local(), None if b12 is None else b12.to_local(),
-                   self.w3.weight.to_local(), None,
+        if b12 is not None:
+            # Replicated [2H]: this rank's [gate_r; up_r] slice (2H/tp values);
+            # its grad covers only that slice, summed over the ranks.
+            b12 = b12.to_local(grad_placements=[Partial()])
+            b12 = torch.cat([b12[self._tp_gate_rows], b12[self._tp_up_rows]])
+        y = swiglu(x_local, self.w12.weight.to_local(), b12, self.w3.weight.to_local(), None,
                    recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, layout)
         if self.w3.bias is not None:
@@ -265,7 +308,7 @@ class SwiGLUTensorParallel(ParallelStyle):
                     "parallelized before (ColwiseParallel/RowwiseParallel, an HF tp_plan, or "
                     "SwiGLUTensorParallel twice). Apply SwiGLUTensorParallel once, to the "
                     "unparallelized module.")
-        placements = {"w12.weight": PACKED_ROWS, "w12.bias": PACKED_ROWS,
+        placements = {"w12.weight": PACKED_ROWS, "w12.bias": Replicate(),
                       "w3.weight": Shard(1), "w3.bias": Replicate()}
         for name, placement in placements.items():
             linear, attr = getattr(module, name.split(".")[0]), name.split(".")[1]
@@ -275,6 +318,9 @@ class SwiGLUTensorParallel(ParallelStyle):
             dt = distribute_tensor(p.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
             setattr(linear, attr, nn.Parameter(dt, requires_grad=p.requires_grad))
         module._tp_mesh = device_mesh
+        rows, rank = H // tp, device_mesh.get_local_rank()
+        module._tp_gate_rows = slice(rank * rows, (rank + 1) * rows)
+        module._tp_up_rows = slice(H + rank * rows, H + (rank + 1) * rows)
         module._tp_sequence_dim = self.sequence_dim if self.sequence_parallel else None
         module._tp_use_local_output = self.use_local_output
         module.__class__ = _tensor_parallel_class(type(module))

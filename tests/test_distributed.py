@@ -116,7 +116,8 @@ def clean_name(name: str) -> str:
 # single-process references (run in the pytest process)
 
 def reference_run(device="cpu", emulate_bf16_ranks=0):
-    """Loss and grads per step of the same model on the whole batch.
+    """Loss and grads per step, and the final parameters, of the same model
+    on the whole batch.
 
     emulate_bf16_ranks=n: what FSDP2 with MixedPrecisionPolicy(bf16 params,
     fp32 reduce) computes on n ranks: per half-batch, a bf16 copy of the fp32
@@ -161,7 +162,8 @@ def _reference_run(device, emulate_bf16_ranks):
         losses.append(loss.detach().cpu())
         grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
         opt.step()
-    return {"losses": losses, "grads": grads}
+    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "final": final}
 
 
 # ----------------------------------------------------------------------------

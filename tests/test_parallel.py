@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import rank_launcher
 import swiglu_cupy as sc
 from conftest import assert_nontrivial
-from swiglu_cupy.parallel import SwiGLUTensorParallel, reject_distributed_weights
+from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement, reject_distributed_weights
 
 D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
 BATCH, SEQ = 2, 4          # SEQ divisible by the TP size (sequence parallel)
@@ -42,6 +42,8 @@ TP = 2
 RANK_TIMEOUT_S = 60
 RTOL = ATOL = 1e-5
 PARAMS = ("w12.weight", "w12.bias", "w3.weight", "w3.bias")
+SHARDED = ("w12.weight", "w3.weight")   # the biases are replicated over TP
+LR = 0.1
 
 # The device cases run on: CPU for the spawned gloo ranks, the rank's GPU
 # under torchrun with nccl (set in _torchrun_main).
@@ -113,12 +115,14 @@ def _case_tp(rank, world):
         block = parallelize_module(build_block(**kwargs), mesh, SwiGLUTensorParallel())
         r = _run_tp_block(block, x, dy)
         if label == "bias":
-            r["local"] = {n: p.to_local().detach().cpu() for n, p in block.named_parameters()}
-            r["full"] = {n: p.full_tensor().detach().cpu() for n, p in block.named_parameters()}
+            r["local"] = {n: p.to_local().detach().cpu().clone() for n, p in block.named_parameters()}
+            r["full"] = {n: p.full_tensor().detach().cpu().clone() for n, p in block.named_parameters()}
             r["placements"] = {n: str(p.placements) for n, p in block.named_parameters()}
             with torch.no_grad():
                 r["no_grad_out"] = block(x).cpu()
             r["class"] = type(block).__name__
+            torch.optim.SGD(block.parameters(), lr=LR).step()
+            r["after_step"] = {n: p.full_tensor().detach().cpu() for n, p in block.named_parameters()}
         res[label] = r
     # inside a plan dict, on a submodule
     model = torch.nn.Sequential(build_block())
@@ -160,7 +164,7 @@ def _case_sp(rank, world):
 
 
 def _full_params(module):
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
             for n, p in module.named_parameters()}
 
 
@@ -206,19 +210,24 @@ def _case_2d(case, rank, world):
     model = td.build_model("non_reentrant").to(DEVICE)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], SwiGLUTensorParallel())
-        fully_shard(block, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
     fully_shard(model, mesh=mesh["dp"])
     # tp ranks of one dp group see the same data
     x, target = (t.to(DEVICE) for t in td.local_batch(mesh["dp"].get_local_rank(), world // TP))
 
     def full_grads(m):
-        return {n: p.grad.full_tensor().detach().cpu() for n, p in m.named_parameters()}
+        return {n: p.grad.full_tensor().detach().cpu().clone() for n, p in m.named_parameters()}
 
     result = td._train(model, x, target, full_grads)
     result["local_shape"] = tuple(model.blocks[0].w12.weight.to_local().shape)
     result["placements"] = str(model.blocks[0].w12.weight.placements)
     dcp.save(model.state_dict(), checkpoint_id=case[1])
     result["full_after"] = _full_params(model)
+    # without fsdp_shard_placement, FSDP2 shards [gate_r; up_r] along dim 0
+    # into pieces no DTensor layout describes: state_dict refuses
+    wrong = parallelize_module(build_block(), mesh["tp"], SwiGLUTensorParallel())
+    fully_shard(wrong, mesh=mesh["dp"])
+    result["default_fsdp_error"] = _error_text(wrong.state_dict)
     return result
 
 
@@ -277,13 +286,16 @@ def check_tp_results(results, world):
         mine = slice(rank * rows, (rank + 1) * rows)
         up = slice(H + rank * rows, H + (rank + 1) * rows)
         assert torch.equal(r["local"]["w12.weight"], torch.cat([w12[mine], w12[up]]))
-        assert torch.equal(r["local"]["w12.bias"], torch.cat([b12[mine], b12[up]]))
         assert torch.equal(r["local"]["w3.weight"], w3[:, mine])
-        assert torch.equal(r["local"]["w3.bias"], ref["params"]["w3.bias"])
-        assert "_StridedShard(dim=0, sf=2)" in r["placements"]["w12.weight"]
-        assert r["placements"]["w3.bias"] == "(Replicate(),)"
-        # replicated input and output: every parameter's grad has its own layout
-        assert r["grad_placements"] == r["placements"]
+        for name in ("w12.bias", "w3.bias"):
+            assert torch.equal(r["local"][name], ref["params"][name]), name
+            assert r["placements"][name] == "(Replicate(),)"
+        assert r["placements"]["w12.weight"] == "(_StridedShard(dim=0, sf=2),)"
+        for name in SHARDED:  # sharded grads come back in the parameter's layout
+            assert r["grad_placements"][name] == r["placements"][name]
+        # an optimizer step on the DTensor parameters (the bias grads are partial sums)
+        for name in PARAMS:
+            close(r["after_step"][name], ref["params"][name] - LR * ref["grads"][name], f"SGD step {name}")
 
 
 @pytest.fixture(scope="module")
@@ -367,14 +379,18 @@ def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
     ref = td.reference_run()
     for res in results:
         td.assert_matches(res, ref)
-        # dp and tp both shard w12: a quarter of its 2H rows on each rank
-        assert res["local_shape"] == (2 * td.H // 4, td.D), res["local_shape"]
+        # tp shards w12's rows ([gate_r; up_r]), dp its columns
+        assert res["local_shape"] == (2 * td.H // TP, td.D // (4 // TP)), res["local_shape"]
+        assert res["placements"] == "(Shard(dim=1), _StridedShard(dim=0, sf=2))", res["placements"]
+        for name, p in res["full_after"].items():  # after 2 SGD steps, canonical layout
+            torch.testing.assert_close(p, ref["final"][name], rtol=td.RTOL_FP32, atol=td.ATOL_FP32)
+        assert res["default_fsdp_error"].startswith("ValueError")
+        assert "fsdp_shard_placement" in res["default_fsdp_error"]
     dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
     state = torch.load(tmp_path / "full.pt")
+    assert sorted(state) == sorted(ref["final"])
     for name, p in results[0]["full_after"].items():
         assert torch.equal(state[name], p), name
-    plain = td.build_model()
-    plain.load_state_dict(state)
 
 
 @pytest.mark.gpu
