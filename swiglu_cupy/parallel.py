@@ -247,9 +247,17 @@ class _TensorParallelForward:
         y = swiglu(x_local, self.w12.weight.to_local(), b12, self.w3.weight.to_local(), None,
                    recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, layout)
-        if self.w3.bias is not None:
-            y = y + self.w3.bias  # once, on the reduced output
-        return y.to_local() if self._tp_use_local_output else y
+        b3 = self.w3.bias  # added once, to the reduced output
+        if not self._tp_use_local_output:
+            return y if b3 is None else y + b3
+        # A fresh tensor, never a view (to_local() returns one; FSDP2 warns
+        # about views): the bias add makes it, else a copy.
+        if b3 is None:
+            return y.to_local().clone()
+        # This rank's tokens contribute a partial sum to b3's grad when the
+        # output is sequence-sharded; with a replicated output every rank
+        # sees all tokens.
+        return y.to_local() + b3.to_local(grad_placements=[Partial() if seq_dim is not None else Replicate()])
 
 
 _TP_CLASSES: dict[type, type] = {}
