@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import rank_launcher
 import swiglu_cupy as sc
 from conftest import assert_nontrivial
+from swiglu_cupy.hf import patch_model
 from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement, reject_distributed_weights
 
 D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
@@ -96,6 +97,23 @@ def _run_tp_block(block, x, dy):
             "grad_placements": {n: str(p.grad.placements) for n, p in params.items()}}
 
 
+class HFStyleMLP(torch.nn.Module):
+    """A Llama-style MLP (what swiglu_cupy.hf.patch_model replaces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(D, H), torch.nn.Linear(D, H)
+        self.down_proj, self.act_fn = torch.nn.Linear(H, O), torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_hf_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(HFStyleMLP()).to(DEVICE)
+
+
 def _error_text(fn):
     try:
         fn()
@@ -133,6 +151,26 @@ def _case_tp(rank, world):
     res["dtensor_out"] = {"type": type(dt_out).__name__, "placements": str(dt_out.placements),
                           "full": dt_out.full_tensor().detach().cpu()}
 
+    # Hugging Face order: patch_model first, then parallelize the patched MLPs
+    hf_model = build_hf_model()
+    hf_state = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    with torch.no_grad():
+        hf_out = hf_model(x)
+    assert patch_model(hf_model, strict=True) == 1
+    parallelize_module(hf_model, mesh, {"0": SwiGLUTensorParallel()})
+    with torch.no_grad():
+        res["hf"] = {"out": hf_model(x).cpu(), "expected_out": hf_out.cpu(),
+                     "state": {k: v.full_tensor().cpu() for k, v in hf_model.state_dict().items()},
+                     "expected_state": {k: v.cpu() for k, v in hf_state.items()}}
+    hf_load = build_hf_model(seed=7)
+    patch_model(hf_load)
+    parallelize_module(hf_load, mesh, {"0": SwiGLUTensorParallel()})
+    hf_load.load_state_dict(hf_state)  # an unpatched model's state dict
+    res["hf"]["loaded"] = {k: v.full_tensor().cpu() for k, v in hf_load.state_dict().items()}
+    tp_plan_model = build_hf_model()  # weights sharded by a generic plan, as HF's tp_plan does
+    parallelize_module(tp_plan_model, mesh, {"0.gate_proj": ColwiseParallel(), "0.up_proj": ColwiseParallel(),
+                                             "0.down_proj": RowwiseParallel()})
+
     def plain_tp_forward():
         plain = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel(), "w3": RowwiseParallel()})
         return plain(x)
@@ -148,6 +186,7 @@ def _case_tp(rank, world):
                                                              SwiGLUTensorParallel())),
         "reject_dtensor": _error_text(lambda: reject_distributed_weights(w12=colwise.w12.weight)),
         "plain_colwise_forward": _error_text(plain_tp_forward),
+        "patch_tp_plan": _error_text(lambda: patch_model(tp_plan_model)),
         "bad_sequence_dim": _error_text(lambda: parallelize_module(
             build_block(), mesh, SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=2))(x)),
     }
@@ -218,6 +257,15 @@ def _case_dcp(case, rank, world):
     tp_from_plain.load_state_dict(build_block().state_dict())
     res["tp_from_plain"] = _full_params(tp_from_plain)
     res["tp_from_plain_local"] = {n: p.to_local().detach().cpu() for n, p in tp_from_plain.named_parameters()}
+    # a patched, parallelized HF model: HF keys through DCP
+    hf_models = []
+    for seed in (0, 7):
+        model = build_hf_model(seed)
+        patch_model(model)
+        hf_models.append(parallelize_module(model, mesh, {"0": SwiGLUTensorParallel()}))
+    dcp.save(hf_models[0].state_dict(), checkpoint_id=path + "_hf")
+    res["hf_saved"] = _full_params(hf_models[0])
+    res["hf_loaded"] = _dcp_load(hf_models[1], path + "_hf")
     return res
 
 
@@ -304,6 +352,13 @@ def check_tp_results(results, world):
         assert_block_matches(res["no_bias"], reference(bias=False))
         assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
         assert_block_matches(res["plan"], ref)
+        # HF: patched, then parallelized; the state dict keeps the HF keys and values
+        hf = res["hf"]
+        close(hf["out"], hf["expected_out"], "patched + parallelized HF MLP output")
+        for key, value in hf["expected_state"].items():
+            assert torch.equal(hf["state"][key], value), key
+            assert torch.equal(hf["loaded"][key], value), key
+        assert sorted(hf["state"]) == sorted(hf["expected_state"])
         assert res["dtensor_out"]["type"] == "DTensor" and res["dtensor_out"]["placements"] == "(Replicate(),)"
         close(res["dtensor_out"]["full"], ref["out"], "use_local_output=False")
         # canonical layout: full_tensor() is the unsharded parameter
@@ -351,6 +406,8 @@ def test_tensor_parallel_errors(tp_results):
     assert "SwiGLUTensorParallel" in errors["reject_dtensor"] and "w12" in errors["reject_dtensor"]
     # a generic ColwiseParallel/RowwiseParallel plan never runs silently
     assert errors["plain_colwise_forward"] != "no error"
+    assert errors["patch_tp_plan"].startswith("ValueError") and "tp_plan" in errors["patch_tp_plan"]
+    assert "SwiGLUTensorParallel" in errors["patch_tp_plan"]
     assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
 
 
@@ -397,6 +454,9 @@ def test_dcp_round_trips(tmp_path, monkeypatch):
             for target in ("tp", "fsdp2", "tp_from_plain"):
                 assert torch.equal(res[target][name], canonical[name]), (target, name)
     assert torch.equal(results[1]["tp_from_plain_local"]["w3.weight"], canonical["w3.weight"][:, rows:])
+    for res in results:
+        for name, p in res["hf_saved"].items():
+            assert torch.equal(res["hf_loaded"][name], p), name
     # the checkpoint on disk, as one torch.save file, into an unparallelized module
     dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
     state = torch.load(tmp_path / "full.pt")
