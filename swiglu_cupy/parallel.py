@@ -39,6 +39,8 @@ reshards it on load like any other tensor.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
@@ -78,7 +80,7 @@ def reject_distributed_weights(**weights) -> None:
     sharded by a generic style (``ColwiseParallel`` on ``w12``, an HF
     ``tp_plan``): a contiguous row shard of the packed ``[gate; up]`` puts gate
     rows on some ranks and up rows on others, which no local computation can
-    fix. Cheap for plain tensors (no import unless a weight is a subclass).
+    fix. Plain tensors and parameters cost one type check each.
     """
     for name, t in weights.items():
         if t is None or type(t) in (torch.Tensor, nn.Parameter):
@@ -132,7 +134,7 @@ def _local_blocks(dt: DTensor) -> list[tuple[tuple[int, ...], int, int]]:
     col_offsets = []
     for dim in range(1, dt.dim()):
         ids = _global_ids(dt, dim)
-        if ids != list(range(ids[0], ids[0] + len(ids))) if ids else False:
+        if ids and ids != list(range(ids[0], ids[0] + len(ids))):
             raise ValueError(f"expected a contiguous range along dim {dim}, got placements "
                              f"{tuple(dt.placements)}")
         col_offsets.append(ids[0] if ids else 0)
@@ -161,6 +163,11 @@ class _RowChunkedDTensor(DTensor):
     def wrap(dt: DTensor) -> _RowChunkedDTensor:
         out = _RowChunkedDTensor(dt.to_local().detach(), dt._spec, requires_grad=False)
         out._blocks = _local_blocks(dt)
+        return out
+
+    def __deepcopy__(self, memo):  # copy.deepcopy(model.state_dict())
+        out = _RowChunkedDTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=False)
+        out._blocks = list(self._blocks)
         return out
 
     def _chunk(self, offsets: tuple[int, ...], n_rows: int) -> ChunkStorageMetadata:

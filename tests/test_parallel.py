@@ -17,6 +17,7 @@ Also the torchrun worker of the GPU (nccl) test:
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import os
 import subprocess
@@ -245,7 +246,11 @@ def _case_dcp(case, rank, world):
     saved = parallelize_module(build_block(), mesh, SwiGLUTensorParallel())
     state = saved.state_dict()
     res = {"state_full": {k: v.full_tensor().cpu() for k, v in state.items()},
-           "state_types": {k: type(v).__name__ for k, v in state.items()}}
+           "state_types": {k: type(v).__name__ for k, v in state.items()},
+           # a deep copy (a snapshot of the state dict) keeps the values and the DCP chunks
+           "deepcopy_full": {k: v.full_tensor().cpu() for k, v in copy.deepcopy(state).items()},
+           "deepcopy_chunks": copy.deepcopy(state)["w12.weight"].__create_chunk_list__()
+           == state["w12.weight"].__create_chunk_list__()}
     dcp.save(state, checkpoint_id=path)
     # into fresh modules with other initial values
     res["tp"] = _dcp_load(parallelize_module(build_block(seed=7), mesh, SwiGLUTensorParallel()), path)
@@ -449,8 +454,10 @@ def test_dcp_round_trips(tmp_path, monkeypatch):
     assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(i * rows, rows) for i in range(2 * TP)]
     for res in results:
         assert res["state_types"]["w3.weight"] == "DTensor"
+        assert res["deepcopy_chunks"]
         for name in PARAMS:
             assert torch.equal(res["state_full"][name], canonical[name]), name
+            assert torch.equal(res["deepcopy_full"][name], canonical[name]), name
             for target in ("tp", "fsdp2", "tp_from_plain"):
                 assert torch.equal(res[target][name], canonical[name]), (target, name)
     assert torch.equal(results[1]["tp_from_plain_local"]["w3.weight"], canonical["w3.weight"][:, rows:])
