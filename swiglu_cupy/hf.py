@@ -295,6 +295,13 @@ def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
                              "model.down_proj) or SiluMulMLP(model.gate_proj, model.up_proj, "
                              "model.down_proj)")
         candidates.append((name, module, fused))
+    for name, module, fused in candidates:
+        distributed = [n for n in _HF if type(getattr(getattr(module, n), "weight", None)).__name__ == "DTensor"]
+        if fused and distributed:  # e.g. from_pretrained(..., tp_plan=...): a row shard splits gate from up
+            raise ValueError(
+                f"patch_model: {name}.{distributed[0]}.weight is already a DTensor (tensor parallel, e.g. "
+                "a Hugging Face tp_plan). Load the model without tp_plan, call patch_model, then "
+                "parallelize each patched MLP with swiglu_cupy.parallel.SwiGLUTensorParallel.")
     replaced = 0
     skipped = []
     for name, module, fused in candidates:

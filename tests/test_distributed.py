@@ -1,16 +1,11 @@
 """Distributed training with SwiGLU blocks: FSDP2, DDP and FSDP1, each with
 activation checkpointing of every block, against a single-process run.
 
-Every CPU test starts 2 ranks (torch.multiprocessing, forkserver; gloo on
-127.0.0.1, a fresh free port), feeds
-each rank its half of one seeded global batch, and compares the loss and
-every parameter gradient (full, unsharded) with one process running the same
+Every CPU test starts 2 ranks (gloo on the CPU, through tests/rank_launcher.py,
+which fails a test whose ranks fail or hang instead of waiting), feeds each
+rank its half of one seeded global batch, and compares the loss and every
+parameter gradient (full, unsharded) with one process running the same
 model, same initial weights, on the whole batch, for 2 optimizer steps.
-
-Each rank writes its result (or its traceback) to tmp_path; the parent fails
-the test, with the ranks' tracebacks, when a rank fails or when the ranks are
-not done within RANK_TIMEOUT_S (then they are killed): a broken collective
-fails instead of hanging.
 
 This file is also the torchrun worker of the GPU test (FSDP1 on nccl; on a
 machine without CUDA it runs the same case on gloo + CPU):
@@ -23,10 +18,8 @@ import copy
 import datetime
 import importlib
 import os
-import socket
 import subprocess
 import sys
-import time
 import traceback
 import warnings
 from pathlib import Path
@@ -34,10 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import rank_launcher
 import swiglu_cupy as sc
 
 D, H, N_BLOCKS = 32, 48, 3
@@ -124,7 +117,8 @@ def clean_name(name: str) -> str:
 # single-process references (run in the pytest process)
 
 def reference_run(device="cpu", emulate_bf16_ranks=0, build=build_model):
-    """Loss and grads per step of the same model (``build()``) on the whole batch.
+    """Loss and grads per step, and the final parameters, of the same model
+    (``build()``) on the whole batch.
 
     emulate_bf16_ranks=n: what FSDP2 with MixedPrecisionPolicy(bf16 params,
     fp32 reduce) computes on n ranks: per half-batch, a bf16 copy of the fp32
@@ -169,7 +163,8 @@ def _reference_run(device, emulate_bf16_ranks, build):
         losses.append(loss.detach().cpu())
         grads.append({n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()})
         opt.step()
-    return {"losses": losses, "grads": grads}
+    final = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grads": grads, "final": final}
 
 
 # ----------------------------------------------------------------------------
@@ -357,76 +352,13 @@ def _run_case(case, rank, world, device="cpu"):
     raise ValueError(case)
 
 
-def _worker(rank, world, port, out_dir, case):
-    """Entry point of a spawned CPU rank."""
-    out = Path(out_dir)
-    try:
-        # The forkserver keeps the environment it started with: set it here.
-        os.environ["OMP_NUM_THREADS"] = "1"
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=60))
-        result = _run_case(case, rank, world)
-        torch.save(result, out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)  # no destroy: the peer may be gone and it could block
-
-
 # ----------------------------------------------------------------------------
 # parent side
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _errors(out_dir: Path, world: int) -> str:
-    texts = []
-    for r in range(world):
-        f = out_dir / f"rank{r}.err"
-        if f.exists():
-            texts.append(f"--- rank {r} ---\n{f.read_text()}")
-    return "\n".join(texts)
-
 
 def launch(case, tmp_path, monkeypatch, world=WORLD, timeout=RANK_TIMEOUT_S):
     """Spawns `world` CPU ranks running `case` (a name above, or "module:function"
     of another test file); returns their results."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for the process imports
-    port = _free_port()
-    # forkserver: ranks fork from a server that imported torch once (saves
-    # ~3 s of imports per test on 2 cores); fresh processes otherwise, like
-    # spawn. The server does no work before forking, so forking it is safe.
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "swiglu_cupy", __name__,
-                                *case.split(":")[:-1]])
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(tmp_path), case), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, first_failure = time.monotonic() + timeout, None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
-            first_failure = time.monotonic()
-        if first_failure is not None and time.monotonic() - first_failure > 5:
-            break  # a rank died; its peers are likely stuck in a collective
-        time.sleep(0.05)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-    codes = [p.exitcode for p in procs]
-    if hung or any(c != 0 for c in codes):
-        why = f"ranks {hung} still running after {timeout}s, killed" if hung else "a rank failed"
-        pytest.fail(f"case {case!r}: {why}; exit codes {codes}\n{_errors(tmp_path, world)}")
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    return rank_launcher.launch(_run_case, case, tmp_path, monkeypatch, world, timeout)
 
 
 def assert_matches(result, ref, rtol=RTOL_FP32, atol=ATOL_FP32):
@@ -546,16 +478,16 @@ def test_fsdp1_checkpoint_wrapper_torchrun(tmp_path):
     checkpoint_wrapper on every block, nccl, under torchrun."""
     world = min(2, torch.cuda.device_count())
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+           "--master_addr=127.0.0.1", f"--master_port={rank_launcher.free_port()}",
            str(Path(__file__).resolve()), "--case", "fsdp1", "--out", str(tmp_path)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_TIMEOUT_S + 60, env=env)
     except subprocess.TimeoutExpired as e:  # subprocess.run kills torchrun
-        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{_errors(tmp_path, world)}")
+        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_launcher.rank_errors(tmp_path, world)}")
     if proc.returncode != 0:
         pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
-                    f"{_errors(tmp_path, world)}")
+                    f"{rank_launcher.rank_errors(tmp_path, world)}")
     ref = reference_run(device="cuda")
     for r in range(world):
         # cuBLAS may pick other algorithms for the per-rank M than for the

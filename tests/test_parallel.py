@@ -1,0 +1,549 @@
+"""Tensor parallelism (swiglu_cupy.parallel.SwiGLUTensorParallel) against one process.
+
+Each CPU test starts gloo ranks through tests/rank_launcher.py (a rank that
+fails or hangs fails the test within RANK_TIMEOUT_S). The ranks return plain
+CPU tensors; the parent compares them with the same block run unsharded in
+one process, in fp32.
+
+Tolerances: TP changes only summation order (each rank sums over its H/tp
+hidden units, then the partial outputs are added; dx likewise), a few fp32
+roundings (eps 1.2e-7) of terms no larger than the result's scale, so
+rtol/atol 1e-5 (~80 eps) holds; a wrong shard, a missed or doubled
+reduction, or a swapped gate/up half is an O(1) error.
+
+Also the torchrun worker of the GPU (nccl) test:
+    torchrun --nproc_per_node=2 tests/test_parallel.py --case tp --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import rank_launcher
+import swiglu_cupy as sc
+from conftest import assert_nontrivial
+from swiglu_cupy.hf import patch_model
+from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement, reject_distributed_weights
+
+D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
+BATCH, SEQ = 2, 4          # SEQ divisible by the TP size (sequence parallel)
+TP = 2
+RANK_TIMEOUT_S = 60
+RTOL = ATOL = 1e-5
+PARAMS = ("w12.weight", "w12.bias", "w3.weight", "w3.bias")
+SHARDED = ("w12.weight", "w3.weight")   # the biases are replicated over TP
+LR = 0.1
+
+# The device cases run on: CPU for the spawned gloo ranks, the rank's GPU
+# under torchrun with nccl (set in _torchrun_main).
+DEVICE = torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------
+# shared by the ranks and the reference
+
+def build_block(seed=0, **kwargs) -> sc.SwiGLU:
+    torch.manual_seed(seed)
+    return sc.SwiGLU(D, H, O, **kwargs).to(DEVICE)
+
+
+def block_data(seq_first=False):
+    """x [BATCH, SEQ, D] and the output grad dy [BATCH, SEQ, O] (loss =
+    sum(y * dy): every output element gets its own weight). seq_first:
+    both transposed to [SEQ, BATCH, ...]."""
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(BATCH, SEQ, D, generator=g), torch.randn(BATCH, SEQ, O, generator=g)
+    if seq_first:
+        x, dy = x.transpose(0, 1).contiguous(), dy.transpose(0, 1).contiguous()
+    return x.to(DEVICE), dy.to(DEVICE)
+
+
+def reference(seq_first=False, **kwargs):
+    """Output, dx and every parameter grad of the unsharded block."""
+    block = build_block(**kwargs)
+    x, dy = block_data(seq_first)
+    x.requires_grad_()
+    y = block(x)
+    (y * dy).sum().backward()
+    return {"out": y.detach().cpu(), "dx": x.grad.cpu(),
+            "grads": {n: p.grad.cpu() for n, p in block.named_parameters()},
+            "params": {n: p.detach().cpu() for n, p in block.named_parameters()}}
+
+
+def _mesh(world):
+    return init_device_mesh(DEVICE.type, (world,))
+
+
+def _run_tp_block(block, x, dy):
+    """Forward + backward of a parallelized block on this rank's x / dy."""
+    x = x.clone().requires_grad_()
+    y = block(x)
+    (y * dy).sum().backward()
+    params = {n.removeprefix("_orig_mod."): p for n, p in block.named_parameters()}  # compiled
+    return {"out": y.detach().cpu(), "dx": x.grad.cpu(), "is_view": y._is_view(),
+            "grads": {n: p.grad.full_tensor().cpu().clone() for n, p in params.items()},
+            "grad_placements": {n: str(p.grad.placements) for n, p in params.items()}}
+
+
+class HFStyleMLP(torch.nn.Module):
+    """A Llama-style MLP (what swiglu_cupy.hf.patch_model replaces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(D, H), torch.nn.Linear(D, H)
+        self.down_proj, self.act_fn = torch.nn.Linear(H, O), torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_hf_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(HFStyleMLP()).to(DEVICE)
+
+
+def _error_text(fn):
+    try:
+        fn()
+    except Exception as e:  # the test inspects the type and the message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------
+# rank side
+
+def _case_tp(rank, world):
+    mesh = _mesh(world)
+    x, dy = block_data()
+    res = {}
+    for label, kwargs in (("bias", {}), ("no_bias", {"bias": False}),
+                          ("recompute", {"recompute_gate_up": True})):
+        block = parallelize_module(build_block(**kwargs), mesh, SwiGLUTensorParallel())
+        r = _run_tp_block(block, x, dy)
+        if label == "bias":
+            r["local"] = {n: p.to_local().detach().cpu().clone() for n, p in block.named_parameters()}
+            r["full"] = {n: p.full_tensor().detach().cpu().clone() for n, p in block.named_parameters()}
+            r["placements"] = {n: str(p.placements) for n, p in block.named_parameters()}
+            with torch.no_grad():
+                r["no_grad_out"] = block(x).cpu()
+            r["class"] = type(block).__name__
+            torch.optim.SGD(block.parameters(), lr=LR).step()
+            r["after_step"] = {n: p.full_tensor().detach().cpu() for n, p in block.named_parameters()}
+        res[label] = r
+    # inside a plan dict, on a submodule
+    model = torch.nn.Sequential(build_block())
+    parallelize_module(model, mesh, {"0": SwiGLUTensorParallel()})
+    res["plan"] = _run_tp_block(model[0], x, dy)
+    dt_out = parallelize_module(build_block(), mesh, SwiGLUTensorParallel(use_local_output=False))(x)
+    res["dtensor_out"] = {"type": type(dt_out).__name__, "placements": str(dt_out.placements),
+                          "full": dt_out.full_tensor().detach().cpu()}
+
+    # Hugging Face order: patch_model first, then parallelize the patched MLPs
+    hf_model = build_hf_model()
+    hf_state = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    with torch.no_grad():
+        hf_out = hf_model(x)
+    assert patch_model(hf_model, strict=True) == 1
+    parallelize_module(hf_model, mesh, {"0": SwiGLUTensorParallel()})
+    with torch.no_grad():
+        res["hf"] = {"out": hf_model(x).cpu(), "expected_out": hf_out.cpu(),
+                     "state": {k: v.full_tensor().cpu() for k, v in hf_model.state_dict().items()},
+                     "expected_state": {k: v.cpu() for k, v in hf_state.items()}}
+    hf_load = build_hf_model(seed=7)
+    patch_model(hf_load)
+    parallelize_module(hf_load, mesh, {"0": SwiGLUTensorParallel()})
+    hf_load.load_state_dict(hf_state)  # an unpatched model's state dict
+    res["hf"]["loaded"] = {k: v.full_tensor().cpu() for k, v in hf_load.state_dict().items()}
+    tp_plan_model = build_hf_model()  # weights sharded by a generic plan, as HF's tp_plan does
+    parallelize_module(tp_plan_model, mesh, {"0.gate_proj": ColwiseParallel(), "0.up_proj": ColwiseParallel(),
+                                             "0.down_proj": RowwiseParallel()})
+
+    def plain_tp_forward():
+        plain = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel(), "w3": RowwiseParallel()})
+        return plain(x)
+
+    odd = sc.SwiGLU(D, 2 * world + 1).to(DEVICE)  # H not divisible by world
+    twice = parallelize_module(build_block(), mesh, SwiGLUTensorParallel())
+    colwise = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel()})
+    res["errors"] = {
+        "indivisible": _error_text(lambda: parallelize_module(odd, mesh, SwiGLUTensorParallel())),
+        "twice": _error_text(lambda: parallelize_module(twice, mesh, SwiGLUTensorParallel())),
+        "after_colwise": _error_text(lambda: parallelize_module(colwise, mesh, SwiGLUTensorParallel())),
+        "not_swiglu": _error_text(lambda: parallelize_module(torch.nn.Linear(D, D), mesh,
+                                                             SwiGLUTensorParallel())),
+        "reject_dtensor": _error_text(lambda: reject_distributed_weights(w12=colwise.w12.weight)),
+        "plain_colwise_forward": _error_text(plain_tp_forward),
+        "patch_tp_plan": _error_text(lambda: patch_model(tp_plan_model)),
+        "bad_sequence_dim": _error_text(lambda: parallelize_module(
+            build_block(), mesh, SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=2))(x)),
+    }
+    return res
+
+
+def _case_sp(rank, world):
+    """Sequence parallel: this rank's equal slice of the sequence in, its
+    slice of the output out; on dim 1 of [B, S, D] and on dim 0 of [S, B, D]."""
+    mesh = _mesh(world)
+    res = {}
+    for seq_dim, seq_first in ((1, False), (0, True)):
+        x, dy = block_data(seq_first)
+        style = SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=seq_dim)
+        block = parallelize_module(build_block(), mesh, style)
+        res[seq_dim] = _run_tp_block(block, x.chunk(world, seq_dim)[rank], dy.chunk(world, seq_dim)[rank])
+    return res
+
+
+def _case_compile(rank, world):
+    """torch.compile(fullgraph=True) of a TP block, replicated and sequence
+    parallel: the DTensor collectives trace with the fused op, no graph
+    break. backend="aot_eager" traces forward and backward exactly as
+    inductor does, without inductor's code generation (~20 s per graph on
+    this CPU)."""
+    mesh = _mesh(world)
+    res = {}
+    for sp in (False, True):
+        block = parallelize_module(build_block(), mesh, SwiGLUTensorParallel(sequence_parallel=sp))
+        x, dy = block_data()
+        if sp:
+            x, dy = x.chunk(world, 1)[rank], dy.chunk(world, 1)[rank]
+        compiled = _run_tp_block(torch.compile(block, fullgraph=True, backend="aot_eager"), x, dy)
+        block.zero_grad(set_to_none=True)
+        res[sp] = {"compiled": compiled, "eager": _run_tp_block(block, x, dy)}
+    return res
+
+
+def _full_params(module):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for n, p in module.named_parameters()}
+
+
+def _dcp_load(module, path):
+    state = module.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    module.load_state_dict(state)
+    return _full_params(module)
+
+
+def _case_dcp(case, rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    path = case[1]
+    mesh = _mesh(world)
+    saved = parallelize_module(build_block(), mesh, SwiGLUTensorParallel())
+    state = saved.state_dict()
+    res = {"state_full": {k: v.full_tensor().cpu() for k, v in state.items()},
+           "state_types": {k: type(v).__name__ for k, v in state.items()},
+           # a deep copy (a snapshot of the state dict) keeps the values and the DCP chunks
+           "deepcopy_full": {k: v.full_tensor().cpu() for k, v in copy.deepcopy(state).items()},
+           "deepcopy_chunks": copy.deepcopy(state)["w12.weight"].__create_chunk_list__()
+           == state["w12.weight"].__create_chunk_list__()}
+    dcp.save(state, checkpoint_id=path)
+    # into fresh modules with other initial values
+    res["tp"] = _dcp_load(parallelize_module(build_block(seed=7), mesh, SwiGLUTensorParallel()), path)
+    fsdp = build_block(seed=7)
+    fully_shard(fsdp, mesh=mesh)
+    res["fsdp2"] = _dcp_load(fsdp, path)
+    # an unparallelized state dict (torch.save layout) into a TP module
+    tp_from_plain = parallelize_module(build_block(seed=7), mesh, SwiGLUTensorParallel())
+    tp_from_plain.load_state_dict(build_block().state_dict())
+    res["tp_from_plain"] = _full_params(tp_from_plain)
+    res["tp_from_plain_local"] = {n: p.to_local().detach().cpu() for n, p in tp_from_plain.named_parameters()}
+    # a patched, parallelized HF model: HF keys through DCP
+    hf_models = []
+    for seed in (0, 7):
+        model = build_hf_model(seed)
+        patch_model(model)
+        hf_models.append(parallelize_module(model, mesh, {"0": SwiGLUTensorParallel()}))
+    dcp.save(hf_models[0].state_dict(), checkpoint_id=path + "_hf")
+    res["hf_saved"] = _full_params(hf_models[0])
+    res["hf_loaded"] = _dcp_load(hf_models[1], path + "_hf")
+    return res
+
+
+def _case_2d(case, rank, world):
+    """FSDP2 over dp on top of TP over tp (2 x 2), the training run of
+    test_distributed (3 residual blocks, non-reentrant checkpointing, root
+    LayerNorm, 2 SGD steps); then a DCP save of the 2-D state."""
+    from torch.distributed.fsdp import fully_shard
+
+    import test_distributed as td
+
+    mesh = init_device_mesh(DEVICE.type, (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    model = td.build_model("non_reentrant").to(DEVICE)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], SwiGLUTensorParallel())
+        fully_shard(block, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+    fully_shard(model, mesh=mesh["dp"])
+    # tp ranks of one dp group see the same data
+    x, target = (t.to(DEVICE) for t in td.local_batch(mesh["dp"].get_local_rank(), world // TP))
+
+    def full_grads(m):
+        return {n: p.grad.full_tensor().detach().cpu().clone() for n, p in m.named_parameters()}
+
+    result = td._train(model, x, target, full_grads)
+    result["local_shape"] = tuple(model.blocks[0].w12.weight.to_local().shape)
+    result["placements"] = str(model.blocks[0].w12.weight.placements)
+    dcp.save(model.state_dict(), checkpoint_id=case[1])
+    result["full_after"] = _full_params(model)
+    # without fsdp_shard_placement, FSDP2 shards [gate_r; up_r] along dim 0
+    # into pieces no DTensor layout describes: state_dict refuses
+    wrong = parallelize_module(build_block(), mesh["tp"], SwiGLUTensorParallel())
+    fully_shard(wrong, mesh=mesh["dp"])
+    result["default_fsdp_error"] = _error_text(wrong.state_dict)
+    return result
+
+
+def run_case(case, rank, world):
+    name = case[0] if isinstance(case, tuple) else case
+    if name == "tp":
+        return _case_tp(rank, world)
+    if name == "sp":
+        return _case_sp(rank, world)
+    if name == "compile":
+        return _case_compile(rank, world)
+    if name == "dcp":
+        return _case_dcp(case, rank, world)
+    if name == "2d":
+        return _case_2d(case, rank, world)
+    raise ValueError(case)
+
+
+# ----------------------------------------------------------------------------
+# parent side
+
+def launch(case, tmp_path, monkeypatch, world=TP):
+    return rank_launcher.launch(run_case, case, tmp_path, monkeypatch, world, RANK_TIMEOUT_S)
+
+
+def close(actual, expected, what):
+    torch.testing.assert_close(actual, expected, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what}: {m}")
+
+
+def assert_block_matches(r, ref, out_slice=lambda t: t):
+    """Output and dx (this rank's part of them) and every full parameter
+    grad, non-trivial, equal to the unsharded block's."""
+    close(r["out"], out_slice(ref["out"]), "output")
+    assert not r["is_view"], "the output must be a fresh tensor, not a view"
+    assert_nontrivial(r["dx"], "dx")
+    close(r["dx"], out_slice(ref["dx"]), "dx")
+    assert sorted(r["grads"]) == sorted(ref["grads"])
+    for name, g in ref["grads"].items():
+        assert_nontrivial(r["grads"][name], name)
+        close(r["grads"][name], g, f"grad {name}")
+
+
+def check_tp_results(results, world):
+    ref = reference()
+    rows = H // world
+    for rank, res in enumerate(results):
+        r = res["bias"]
+        assert r["class"] == "TensorParallelSwiGLU"
+        assert_block_matches(r, ref)
+        close(r["no_grad_out"], ref["out"], "no-grad output")
+        assert_block_matches(res["no_bias"], reference(bias=False))
+        assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
+        assert_block_matches(res["plan"], ref)
+        # HF: patched, then parallelized; the state dict keeps the HF keys and values
+        hf = res["hf"]
+        close(hf["out"], hf["expected_out"], "patched + parallelized HF MLP output")
+        for key, value in hf["expected_state"].items():
+            assert torch.equal(hf["state"][key], value), key
+            assert torch.equal(hf["loaded"][key], value), key
+        assert sorted(hf["state"]) == sorted(hf["expected_state"])
+        assert res["dtensor_out"]["type"] == "DTensor" and res["dtensor_out"]["placements"] == "(Replicate(),)"
+        close(res["dtensor_out"]["full"], ref["out"], "use_local_output=False")
+        # canonical layout: full_tensor() is the unsharded parameter
+        for name in PARAMS:
+            assert torch.equal(r["full"][name], ref["params"][name]), name
+        # each rank holds only its shard: gate rows and up rows of its slice
+        w12, b12, w3 = ref["params"]["w12.weight"], ref["params"]["w12.bias"], ref["params"]["w3.weight"]
+        mine = slice(rank * rows, (rank + 1) * rows)
+        up = slice(H + rank * rows, H + (rank + 1) * rows)
+        assert torch.equal(r["local"]["w12.weight"], torch.cat([w12[mine], w12[up]]))
+        assert torch.equal(r["local"]["w3.weight"], w3[:, mine])
+        for name in ("w12.bias", "w3.bias"):
+            assert torch.equal(r["local"][name], ref["params"][name]), name
+            assert r["placements"][name] == "(Replicate(),)"
+        assert r["placements"]["w12.weight"] == "(_StridedShard(dim=0, sf=2),)"
+        for name in SHARDED:  # sharded grads come back in the parameter's layout
+            assert r["grad_placements"][name] == r["placements"][name]
+        # an optimizer step on the DTensor parameters (the bias grads are partial sums)
+        for name in PARAMS:
+            close(r["after_step"][name], ref["params"][name] - LR * ref["grads"][name], f"SGD step {name}")
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    """The "tp" case, run once for the two tests that read it."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return launch("tp", tmp_path_factory.mktemp("tp"), monkeypatch)
+
+
+def test_tensor_parallel_matches_one_process(tp_results):
+    """TP=2, replicated input: output, dx and every parameter grad (full,
+    canonical layout) with and without biases, with recompute_gate_up, and
+    inside a plan dict; the local shards; full_tensor() of each parameter."""
+    check_tp_results(tp_results, TP)
+
+
+def test_tensor_parallel_errors(tp_results):
+    errors = tp_results[0]["errors"]
+    assert errors["indivisible"].startswith("ValueError")
+    assert f"H={2 * TP + 1}" in errors["indivisible"] and f"size {TP}" in errors["indivisible"]
+    for key in ("twice", "after_colwise"):
+        assert errors[key].startswith("ValueError") and "already a DTensor" in errors[key], errors[key]
+    assert errors["not_swiglu"].startswith("TypeError") and "Linear" in errors["not_swiglu"]
+    assert errors["reject_dtensor"].startswith("TypeError")
+    assert "SwiGLUTensorParallel" in errors["reject_dtensor"] and "w12" in errors["reject_dtensor"]
+    # a generic ColwiseParallel/RowwiseParallel plan never runs silently
+    assert errors["plain_colwise_forward"] != "no error"
+    assert errors["patch_tp_plan"].startswith("ValueError") and "tp_plan" in errors["patch_tp_plan"]
+    assert "SwiGLUTensorParallel" in errors["patch_tp_plan"]
+    assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
+
+
+def test_sequence_parallel_matches_one_process(tmp_path, monkeypatch):
+    """Input and output sharded on the sequence dim (dim 1 of [B, S, D], and
+    dim 0 of [S, B, D] via sequence_dim=0): each rank's output and dx slice
+    and every full parameter grad equal the unsharded block's."""
+    results = launch("sp", tmp_path, monkeypatch)
+    for seq_dim, seq_first in ((1, False), (0, True)):
+        ref = reference(seq_first=seq_first)
+        for rank, res in enumerate(results):
+            assert_block_matches(res[seq_dim], ref, lambda t, r=rank, d=seq_dim: t.chunk(TP, d)[r])
+
+
+def test_tensor_parallel_compiles_without_graph_breaks(tmp_path, monkeypatch):
+    """fullgraph=True traces the TP block (collectives included) forward and
+    backward, and gives the eager results."""
+    for res in launch("compile", tmp_path, monkeypatch):
+        for sp in (False, True):
+            got, exp = res[sp]["compiled"], res[sp]["eager"]
+            close(got["out"], exp["out"], "compiled output")
+            close(got["dx"], exp["dx"], "compiled dx")
+            for name, g in exp["grads"].items():
+                assert_nontrivial(got["grads"][name], name)
+                close(got["grads"][name], g, f"compiled grad {name}")
+
+
+def test_dcp_round_trips(tmp_path, monkeypatch):
+    """DCP save at TP=2 stores the canonical [2H, D] w12 (in 2 chunks per
+    rank) and loads into TP=2, into FSDP2, and into a plain module."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "ckpt"
+    results = launch(("dcp", str(path)), tmp_path, monkeypatch)
+    canonical = reference()["params"]
+    rows = H // TP
+    chunks = FileSystemReader(str(path)).read_metadata().state_dict_metadata["w12.weight"].chunks
+    assert sorted((c.offsets[0], c.sizes[0]) for c in chunks) == [(i * rows, rows) for i in range(2 * TP)]
+    for res in results:
+        assert res["state_types"]["w3.weight"] == "DTensor"
+        assert res["deepcopy_chunks"]
+        for name in PARAMS:
+            assert torch.equal(res["state_full"][name], canonical[name]), name
+            assert torch.equal(res["deepcopy_full"][name], canonical[name]), name
+            for target in ("tp", "fsdp2", "tp_from_plain"):
+                assert torch.equal(res[target][name], canonical[name]), (target, name)
+    assert torch.equal(results[1]["tp_from_plain_local"]["w3.weight"], canonical["w3.weight"][:, rows:])
+    for res in results:
+        for name, p in res["hf_saved"].items():
+            assert torch.equal(res["hf_loaded"][name], p), name
+    # the checkpoint on disk, as one torch.save file, into an unparallelized module
+    dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
+    state = torch.load(tmp_path / "full.pt")
+    assert tuple(state["w12.weight"].shape) == (2 * H, D)
+    plain = sc.SwiGLU(D, H, O)
+    plain.load_state_dict(state)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), canonical[name]), name
+
+
+def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
+    """4 ranks, mesh (dp=2, tp=2): FSDP2 over dp on top of TP; loss and every
+    full grad for 2 SGD steps equal one process (test_distributed's model and
+    reference), and the 2-D sharded state saves through DCP as the canonical
+    layout."""
+    import test_distributed as td
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = tmp_path / "ckpt2d"
+    results = launch(("2d", str(path)), tmp_path, monkeypatch, world=4)
+    ref = td.reference_run()
+    for res in results:
+        td.assert_matches(res, ref)
+        # tp shards w12's rows ([gate_r; up_r]), dp its columns
+        assert res["local_shape"] == (2 * td.H // TP, td.D // (4 // TP)), res["local_shape"]
+        assert res["placements"] == "(Shard(dim=1), _StridedShard(dim=0, sf=2))", res["placements"]
+        for name, p in res["full_after"].items():  # after 2 SGD steps, canonical layout
+            torch.testing.assert_close(p, ref["final"][name], rtol=td.RTOL_FP32, atol=td.ATOL_FP32)
+        assert res["default_fsdp_error"].startswith("ValueError")
+        assert "fsdp_shard_placement" in res["default_fsdp_error"]
+    dcp_to_torch_save(str(path), str(tmp_path / "full.pt"))
+    state = torch.load(tmp_path / "full.pt")
+    assert sorted(state) == sorted(ref["final"])
+    for name, p in results[0]["full_after"].items():
+        assert torch.equal(state[name], p), name
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_nccl_torchrun(tmp_path):
+    """The TP case on GPUs with nccl under torchrun (one GPU per rank; with a
+    single GPU it runs TP=1, which still exercises DTensor + the CUDA kernels)."""
+    world = min(TP, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           "--master_addr=127.0.0.1", f"--master_port={rank_launcher.free_port()}",
+           str(Path(__file__).resolve()), "--case", "tp", "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_TIMEOUT_S + 60,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_launcher.rank_errors(tmp_path, world)}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
+                    f"{rank_launcher.rank_errors(tmp_path, world)}")
+    global DEVICE
+    DEVICE = torch.device("cuda")
+    try:
+        check_tp_results([torch.load(tmp_path / f"rank{r}.pt") for r in range(world)], world)
+    finally:
+        DEVICE = torch.device("cpu")
+
+
+def _torchrun_main():
+    """torchrun worker: nccl + CUDA."""
+    global DEVICE
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(args.out)
+    try:
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE, timeout=datetime.timedelta(seconds=60))
+        torch.save(run_case(args.case, rank, world), out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
+if __name__ == "__main__":
+    _torchrun_main()
