@@ -221,6 +221,9 @@ def _check_tensor(name: str, t, optional: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         kind = "a torch.Tensor or None" if optional else "a torch.Tensor"
         raise TypeError(f"{name} must be {kind}, got {type(t).__name__}")
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and name not in ("x", "gate", "up"):
+        from .parallel import reject_distributed_weights  # a subclass: maybe a DTensor weight
+        reject_distributed_weights(**{name: t})
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
     if t.dtype not in SUPPORTED_DTYPES:

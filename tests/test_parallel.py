@@ -410,7 +410,8 @@ def test_tensor_parallel_errors(tp_results):
     assert errors["reject_dtensor"].startswith("TypeError")
     assert "SwiGLUTensorParallel" in errors["reject_dtensor"] and "w12" in errors["reject_dtensor"]
     # a generic ColwiseParallel/RowwiseParallel plan never runs silently
-    assert errors["plain_colwise_forward"] != "no error"
+    assert errors["plain_colwise_forward"].startswith("TypeError")
+    assert "SwiGLUTensorParallel" in errors["plain_colwise_forward"]
     assert errors["patch_tp_plan"].startswith("ValueError") and "tp_plan" in errors["patch_tp_plan"]
     assert "SwiGLUTensorParallel" in errors["patch_tp_plan"]
     assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
