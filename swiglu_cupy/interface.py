@@ -33,6 +33,8 @@ __all__ = ["SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked", "sw
 def _linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """inp @ weight.T (+ bias), with the bias folded into the GEMM (addmm)."""
+    if out is None:
+        return F.linear(inp, weight, bias)  # addmm, with the transpose done in C++
     if bias is None:
         return torch.mm(inp, weight.t(), out=out)
     return torch.addmm(bias, inp, weight.t(), out=out)
@@ -45,13 +47,13 @@ def _functional(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or ops.is_transformed(t)
 
 
-def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
+def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, functional: bool) -> torch.Tensor:
     """x12 = [gate | up] as one [M, 2H] tensor. Packed weights (``w2 is None``:
     ``w1`` is w12) take one GEMM; separate ones write their halves of one
     buffer, so no weight is ever concatenated."""
     if w2 is None:
         return _linear_2d(x2d, w1, b1)
-    if _functional(x2d):
+    if functional:
         return torch.cat([_linear_2d(x2d, w1, b1), _linear_2d(x2d, w2, b2)], dim=1)
     H = w1.shape[0]
     x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
@@ -60,14 +62,19 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2) -> torch.Tensor:
     return x12
 
 
-def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape) -> torch.Tensor:
+def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, functional: bool) -> torch.Tensor:
     """y = h @ w3.T + b3 in ``out_shape``, allocated in that shape (not a view,
     which FSDP2 warns about) outside tracing."""
-    if _functional(h):
+    if len(out_shape) == 2:
+        return _linear_2d(h, w3, b3)  # the GEMM's own output is y
+    if functional:
         return _linear_2d(h, w3, b3).view(out_shape)
     y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
     _linear_2d(h, w3, b3, out=y.view(-1, w3.shape[0]))
     return y
+
+
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 class _LeanApplyFunction(torch.autograd.Function):
@@ -78,11 +85,14 @@ class _LeanApplyFunction(torch.autograd.Function):
 
     @classmethod
     def apply(cls, *args):
-        if torch._C._are_functorch_transforms_active() or any(
-                isinstance(a, torch.Tensor) and ops.is_transformed(a) for a in args):
-            return super().apply(*args)
-        # torch.autograd.Function.apply minus the binding: the C++ apply.
-        return super(torch.autograd.Function, cls).apply(*args)
+        if not torch._C._are_functorch_transforms_active():
+            for a in args:
+                if isinstance(a, torch.Tensor) and _is_functorch_wrapped(a):
+                    break  # a tensor left over from a transform: torch's apply unwraps it
+            else:
+                # torch.autograd.Function.apply minus the binding: the C++ apply.
+                return super(torch.autograd.Function, cls).apply(*args)
+        return super().apply(*args)
 
 
 class SwiGLUFunction(_LeanApplyFunction):
@@ -136,7 +146,7 @@ class SwiGLUFunction(_LeanApplyFunction):
         if ctx.recompute_gate_up:
             x, w1, b1, w2, b2, w3 = ctx.saved_tensors
             x2d = x.reshape(-1, x.shape[-1])
-            x12 = _gate_up(x2d, w1, b1, w2, b2)                           # extra GEMM
+            x12 = _gate_up(x2d, w1, b1, w2, b2, _functional(x2d))          # extra GEMM
         else:
             x, w1, w2, w3, x12 = ctx.saved_tensors
             x2d = x.reshape(-1, x.shape[-1])
@@ -173,9 +183,10 @@ def _forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool):
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path."""
-    x12 = _gate_up(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2)             # [M, 2H]
+    functional = _functional(x)
+    x12 = _gate_up(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, functional)
     h = ops.forward_inplace(x12) if inference else ops.forward(x12)
-    return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0])), x12
+    return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0]), functional), x12
 
 
 def _input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
@@ -297,18 +308,51 @@ def _reject_jit() -> None:
             "kernels run from Python. Use torch.export.export (or torch.compile) instead.")
 
 
-def _apply(tensors: dict, args: list, flags: tuple) -> torch.Tensor:
-    """The one call into SwiGLUFunction. ``tensors`` names the user's
-    arguments (for errors), ``args`` are the Function's tensor inputs and
-    ``flags`` its memory modes. Under autocast every input is cast to the
-    autocast dtype, like nn.Linear."""
-    device_type = tensors["x"].device.type
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _common_case(x, weights, biases) -> bool:
+    """The cheap pass: plain dense tensors of one supported dtype and one
+    device (not meta), contiguous weights. There every per-tensor check
+    holds, so only the shapes are left to check; anything else takes the
+    full checks, which raise the precise error or accept it (autocast's mixed
+    dtypes, strided weights)."""
+    if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided:
+        return False
+    dtype, device = x.dtype, x.device
+    if dtype not in SUPPORTED_DTYPES or device.type == "meta":
+        return False
+    try:  # non-strided layouts report non-contiguous (or raise)
+        for w in weights:
+            if type(w) not in _PLAIN_TENSORS or w.dtype is not dtype or w.device != device or not w.is_contiguous():
+                return False
+        for b in biases:
+            if b is not None and (type(b) not in _PLAIN_TENSORS or b.dtype is not dtype or b.device != device
+                                  or not b.is_contiguous()):
+                return False
+    except Exception:
+        return False
+    return True
+
+
+def _check_inputs(tensors: dict, optional: tuple) -> None:
+    """The full per-tensor checks, each error naming its argument."""
+    for name, t in tensors.items():
+        _check_tensor(name, t, optional=name in optional)
+    _check_same(tensors, "device", ValueError)
+    if not torch.is_autocast_enabled(tensors["x"].device.type):  # autocast casts them to one dtype
+        _check_same(tensors, "dtype", TypeError)
+
+
+def _run(args: list, flags: tuple) -> torch.Tensor:
+    """The one place SwiGLUFunction is applied. Under autocast every input is
+    cast to the autocast dtype, like nn.Linear."""
+    device_type = args[0].device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         args = [None if t is None else t.to(dtype) for t in args]
         with torch.autocast(device_type=device_type, enabled=False):
             return _forward_or_apply(args, flags)
-    _check_same(tensors, "dtype", TypeError)
     return _forward_or_apply(args, flags)
 
 
@@ -330,13 +374,12 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     ``nn.Linear`` does), and the gradients flow back in each input's dtype.
     """
     _reject_jit()
-    tensors = {"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}
-    for name, t in tensors.items():
-        _check_tensor(name, t, optional=name in ("b12", "b3"))
-    _check_same(tensors, "device", ValueError)
+    if not _common_case(x, (w12, w3), (b12, b3)):
+        _check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, optional=("b12", "b3"))
     _check_shapes(x, w12, b12, w3, b3)
-    _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
-    return _apply(tensors, [x, w12, b12, None, None, w3, b3], (recompute_gate_up, inplace_backward))
+    if type(recompute_gate_up) is not bool or type(inplace_backward) is not bool:
+        _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    return _run([x, w12, b12, None, None, w3, b3], (recompute_gate_up, inplace_backward))
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -350,13 +393,13 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     concatenated; the same Function, kernels and guarantees as ``swiglu``.
     """
     _reject_jit()
-    tensors = {"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3}
-    for name, t in tensors.items():
-        _check_tensor(name, t, optional=name in ("b1", "b2", "b3"))
-    _check_same(tensors, "device", ValueError)
+    if not _common_case(x, (w1, w2, w3), (b1, b2, b3)):
+        _check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
+                      optional=("b1", "b2", "b3"))
     _check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
-    return _apply(tensors, list(tensors.values()), (recompute_gate_up, inplace_backward))
+    if type(recompute_gate_up) is not bool or type(inplace_backward) is not bool:
+        _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    return _run([x, w1, b1, w2, b2, w3, b3], (recompute_gate_up, inplace_backward))
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,

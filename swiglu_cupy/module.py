@@ -49,7 +49,8 @@ class SwiGLU(nn.Module):
             "Use torch.export.export (or torch.compile) instead.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.w12.weight, self.w12.bias, self.w3.weight, self.w3.bias,
+        w12, w3 = self.w12, self.w3  # each submodule looked up once (nn.Module attribute access is slow)
+        return swiglu(x, w12.weight, w12.bias, w3.weight, w3.bias,
                       recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
 
     @classmethod

@@ -31,7 +31,14 @@ def is_transformed(t: torch.Tensor) -> bool:
 
 
 def _gate_half(x12: torch.Tensor) -> torch.Tensor:
-    return x12[:, : x12.shape[1] // 2]
+    return x12.chunk(2, 1)[0]
+
+
+def _h_over_gate(x12: torch.Tensor) -> torch.Tensor:
+    """h = silu(gate) * up written over the gate half of x12 (the silu_mul
+    primitive on x12's two halves); returns that strided [M, H] view."""
+    gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
+    return primitives.silu_mul_forward(gate, up, out=gate)
 
 
 # ---- plain bodies (one implementation each) -------------------------------------------------
@@ -42,7 +49,7 @@ def _forward(x12: torch.Tensor) -> torch.Tensor:
 
 def _forward_inplace(x12: torch.Tensor) -> None:
     """Writes h over the gate half of x12 (no-grad path)."""
-    primitives.swiglu_forward(x12, out=_gate_half(x12))
+    _h_over_gate(x12)
 
 
 def _backward(x12: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +204,10 @@ def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
     route = _route(x12)
     if route == "aten":
         return reference_torch.swiglu_forward(x12)  # functional: nothing to save there
-    (swiglu_forward_inplace_op if route == "op" else _forward_inplace)(x12)
-    return _gate_half(x12)
+    if route == "op":
+        swiglu_forward_inplace_op(x12)
+        return _gate_half(x12)
+    return _h_over_gate(x12)
 
 
 def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:

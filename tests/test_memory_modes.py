@@ -54,18 +54,20 @@ def test_no_grad_forward_writes_h_over_x12_and_matches(context, monkeypatch):
     x = torch.randn(M, D)
     expected = model(x).detach()
     calls = []
-    real = primitives.swiglu_forward
+    real = primitives.silu_mul_forward
 
-    def spy(x12, out=None, **kw):
-        calls.append((x12, out))
-        return real(x12, out=out, **kw)
+    def spy(gate, up, out=None, **kw):
+        calls.append((gate, up, out))
+        return real(gate, up, out=out, **kw)
 
-    monkeypatch.setattr(primitives, "swiglu_forward", spy)
+    monkeypatch.setattr(primitives, "silu_mul_forward", spy)
     with context():
         y = model(x)
-    (x12, out), = calls
-    # h went into the gate half of x12: no [M, H] buffer was allocated.
-    assert out is not None and out.data_ptr() == x12.data_ptr() and out.stride() == (2 * H, 1)
+    (gate, up, out), = calls
+    # h went over the gate half of x12 (gate and up are its two halves): no
+    # [M, H] buffer was allocated.
+    assert out is gate and up.data_ptr() == gate.data_ptr() + H * gate.element_size()
+    assert gate.stride() == up.stride() == (2 * H, 1)
     assert torch.equal(y, expected)
 
 

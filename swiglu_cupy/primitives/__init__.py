@@ -38,6 +38,8 @@ from .._launch import cuda_kernels_available
 from .._sources import SUPPORTED_DTYPES
 from . import kernels, reference_torch
 
+_FULL_PRECISION = (torch.float32, torch.float64)
+
 __all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
 
 
@@ -66,7 +68,7 @@ def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.T
                 ref_name: str = "x12") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
+    if t.shape != shape:  # torch.Size compares with a tuple
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} dtype must match {ref_name} ({ref.dtype}), got {t.dtype}")
@@ -79,6 +81,13 @@ def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch
     given buffers in one pass per output (its functional form, with no
     buffers, is for tracers)."""
     return torch.empty(shape, dtype=like.dtype, device=like.device) if out is None else out
+
+
+def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor | None:
+    """Like ``_or_new`` for fp16/bf16, where the buffered store saves a
+    rounding pass; fp32/fp64 outputs come as fast from the functional op,
+    without the allocation call."""
+    return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
 
 
 def _use_kernels(x12: torch.Tensor, implementation: str | None, launcher) -> bool:
@@ -98,7 +107,7 @@ def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
         _check_like("out", out, (x12.shape[0], H), x12)
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_forward(x12, out, launcher)
-    return reference_torch.swiglu_forward(x12, _or_new(out, (x12.shape[0], H), x12))
+    return reference_torch.swiglu_forward(x12, _or_new_if_half(out, (x12.shape[0], H), x12))
 
 
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
@@ -123,7 +132,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | N
         _check_like("out", out, shape, gate, "gate")
     if _use_kernels(gate, implementation, launcher):
         return kernels.silu_mul_forward(gate, up, out, launcher)
-    return reference_torch.silu_mul_forward(gate, up, _or_new(out, shape, gate))
+    return reference_torch.silu_mul_forward(gate, up, _or_new_if_half(out, shape, gate))
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,

@@ -26,7 +26,10 @@ def _widen(t: torch.Tensor) -> torch.Tensor:
 
 def _mul(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     """a * b computed in the math dtype, rounded once to ``dtype``."""
-    return torch.mul(a, b).to(dtype) if out is None else torch.mul(a, b, out=out)
+    if out is not None:
+        return torch.mul(a, b, out=out)
+    product = torch.mul(a, b)
+    return product if product.dtype is dtype else product.to(dtype)
 
 
 def _is_same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -66,8 +69,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
 
 
 def _split(x12: torch.Tensor):
-    H = x12.shape[1] // 2
-    return x12[:, :H], x12[:, H:]
+    return x12.chunk(2, 1)  # both halves in one call (slicing costs ~1.5 us a view)
 
 
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
