@@ -52,7 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_non_negative_int, help="untimed warm-up calls per measurement")
     p.add_argument("--skip", nargs="+", choices=list(CONTENDERS), default=[], metavar="NAME",
                    help=f"contenders to leave out: {', '.join(CONTENDERS)}")
-    p.add_argument("--out", default="bench-results", help="directory for bench.json, bench.txt and bench.png")
+    p.add_argument("--sweep-launch", action="store_true",
+                   help="instead of the comparison: time every launch candidate of the elementwise kernels "
+                        "(CUDA only; bf16, M=8192, H=11008 and 14336 unless --tokens/--hidden/--preset/--dtype "
+                        "say otherwise); writes sweep.json and sweep.txt")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt)")
 
 
 def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
@@ -103,6 +108,9 @@ def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep_launch:
+        from .sweep import run as run_sweep
+        return run_sweep(args)
     try:
         shapes, settings = resolve(args)
     except (ValueError, RuntimeError) as exc:
