@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(ben)
     ben.set_defaults(func=_cmd_bench)
 
-    st = sub.add_parser("selftest", help="GPU check: pytest -m gpu, then bench --quick; exit 2 without CUDA")
+    st = sub.add_parser("selftest", help="GPU check within 8 minutes: pytest -m gpu, bench --quick, then "
+                                         "bench --sweep-launch; exit 2 without CUDA")
     st.add_argument("--out", default="selftest-results", help="directory for the logs, results and summary")
     st.set_defaults(func=_cmd_selftest)
     return parser

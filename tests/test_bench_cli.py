@@ -83,9 +83,27 @@ def test_cpu_bench_json(cpu_run):
     assert el["fwd_bytes"] == 32 * 3 * 176 * 4 and el["bwd_bytes"] == 32 * 6 * 176 * 4
     assert report["copy"]["gbps"] > 0
     overhead = report["host_overhead"][0]
-    assert overhead["shape"]["M"] == 1
-    for name, us in overhead["us_per_call"].items():
-        assert (us is not None and us > 0) or overhead["null_reasons"][name], name
+    assert overhead["shape"] == {"D": 64, "H": 64, "M": 1, "dtype": "fp32"}
+    assert (overhead["calls"], overhead["rounds"], overhead["reference"]) == (300, 7, "eager_hf")
+    for mode in ("grad", "no_grad"):
+        timings, ratios = overhead["us_per_call"][mode], overhead["ratio_vs_reference"][mode]
+        assert set(timings) == {LOWER_BOUND, *CONTENDERS}
+        for name, us in timings.items():
+            if us is None:
+                assert overhead["null_reasons"][name], (mode, name)
+                continue
+            _positive_stats(us, f"{mode}.{name}")
+            assert us["n"] == 7
+            assert ratios[name] == pytest.approx(us["median"] / timings["eager_hf"]["median"])
+        assert ratios["eager_hf"] == 1.0 and ratios["swiglu_cupy"] > 0
+    cpu_path = report["cpu_path"]
+    assert cpu_path["shape"] == {"D": 512, "H": 1408, "M": 2048} and cpu_path["threads"] == 1
+    assert [(c["what"], c["dtype"]) for c in cpu_path["cases"]] == [
+        ("fwd_bwd", "fp32"), ("nograd_fwd", "fp32"), ("fwd_bwd", "bf16"), ("nograd_fwd", "bf16")]
+    for case in cpu_path["cases"]:
+        assert set(case["ms"]) == {"eager_hf", "swiglu_cupy"} and case["goal"] is not None
+        _positive_stats(case["ms"]["swiglu_cupy"], case["what"])
+        assert case["ratio"] == pytest.approx(case["ms"]["swiglu_cupy"]["median"] / case["ms"]["eager_hf"]["median"])
     comp = report["compile"][0]
     assert comp["cold"] is None and comp["warm"] is None
     assert "CUDA" in comp["null_reasons"]["cold"]
@@ -96,7 +114,12 @@ def test_cpu_bench_png_and_text(cpu_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     pytest.importorskip("matplotlib")
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "GEMMs only" in (out / "bench.txt").read_text()
+    text = (out / "bench.txt").read_text()
+    assert "GEMMs only" in text
+    for mode in ("grad", "no_grad"):
+        assert f"ratio ours / eager_hf, host overhead per call, {mode}: " in text
+    for what in ("fwd+bwd fp32", "no-grad fwd fp32", "fwd+bwd bf16", "no-grad fwd bf16"):
+        assert f"ratio ours / eager_hf, CPU path {what}: " in text
 
 
 def test_custom_shape_and_sweep_without_matplotlib(tmp_path):
@@ -141,12 +164,6 @@ def test_bench_cuda_without_cuda(tmp_path):
     assert "no CUDA device" in proc.stderr
 
 
-def test_selftest_without_cuda(tmp_path):
-    proc = _cli("selftest", "--out", str(tmp_path))
-    assert proc.returncode == 2
-    assert "selftest needs a CUDA GPU" in proc.stderr
-
-
 def _resolve(*argv):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -156,7 +173,8 @@ def _resolve(*argv):
 def test_resolve_cpu_defaults_to_the_smoke_configuration():
     shapes, settings = _resolve("--device", "cpu")
     assert shapes == [Shape("smoke", 64, 176, 32, "fp32")]
-    assert settings == Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=200, copy_mib=32)
+    assert settings == Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=300, copy_mib=32,
+                                ratio_rounds=7)
 
 
 def test_resolve_sweeps_dtype_then_shape_then_tokens_and_overrides_counts():

@@ -7,11 +7,13 @@ import torch
 
 from swiglu_cupy.bench.config import Settings
 from swiglu_cupy.bench.contenders import ModuleRunner, build_module, master_weights
-from swiglu_cupy.bench.measure import (NEEDS_CUDA, Clock, bench_copy, measure_runner, relative_error,
-                                       short_error, stats)
+from swiglu_cupy.bench.measure import (NEEDS_CUDA, Clock, bench_copy, bench_cpu_path, bench_overhead,
+                                       elementwise_bytes, interleaved, measure_runner, median_ratio,
+                                       relative_error, short_error, stats)
 
 CPU = torch.device("cpu")
-SETTINGS = Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=10, copy_mib=1)
+SETTINGS = Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=10, copy_mib=1,
+                    ratio_rounds=3)
 
 
 def test_stats_of_known_samples():
@@ -70,3 +72,53 @@ def test_short_error_is_one_bounded_line_naming_the_type():
     text = short_error(RuntimeError("first line " + "x" * 400 + "\nsecond line"))
     assert text.startswith("RuntimeError: first line") and "second" not in text and len(text) == 300
     assert short_error(KeyError()) == "KeyError:"
+
+
+def test_interleaved_rotates_the_order_and_times_each_block_per_call():
+    order = []
+
+    def slow():
+        order.append("slow")
+        time.sleep(0.004)
+
+    fns = {"slow": slow, "a": lambda: order.append("a"), "b": lambda: order.append("b")}
+    timings = interleaved(fns, Clock(CPU), rounds=3, calls=2, unit="ms")
+    # Round r starts at the r-th name; each name runs one block of 2 calls per round.
+    blocks = [order[i] for i in range(0, len(order), 2)]
+    assert blocks == ["slow", "a", "b", "a", "b", "slow", "b", "slow", "a"]
+    assert {name: t["n"] for name, t in timings.items()} == {"slow": 3, "a": 3, "b": 3}
+    assert timings["slow"]["min"] >= 4.0 > timings["a"]["max"]  # per call, not per block
+    assert median_ratio(timings, "slow", "a") == pytest.approx(timings["slow"]["median"] / timings["a"]["median"])
+    assert median_ratio(timings, "slow", "absent") is None
+
+
+def test_elementwise_bytes_formula():
+    # forward: read gate and up (2H), write h (H); backward: read x12 (2H) and dh (H), write dx12 (2H) and h (H).
+    assert elementwise_bytes(M=8192, H=11008, element_size=2) == (8192 * 11008 * 2 * 3, 8192 * 11008 * 2 * 6)
+    assert elementwise_bytes(M=1, H=1, element_size=4) == (12, 24)
+
+
+def test_overhead_record_has_both_modes_and_ratios_to_eager_hf():
+    steps = []
+    res = bench_overhead(Clock(CPU), SETTINGS, skip={"torch_compile", "liger"}, progress=steps.append)
+    assert len(steps) == 2 and "grad" in steps[0] and "no_grad" in steps[1]
+    assert res["shape"] == {"D": 64, "H": 64, "M": 1, "dtype": "fp32"}
+    assert res["null_reasons"] == {"torch_compile": "skipped (--skip)", "liger": "skipped (--skip)"}
+    for mode in ("grad", "no_grad"):
+        timings = res["us_per_call"][mode]
+        assert timings["torch_compile"] is None and timings["liger"] is None
+        for name in ("gemm_lower_bound", "eager_hf", "eager_packed", "swiglu_cupy"):
+            assert timings[name]["n"] == SETTINGS.ratio_rounds and timings[name]["min"] > 0, (mode, name)
+        assert res["ratio_vs_reference"][mode]["swiglu_cupy"] == pytest.approx(
+            timings["swiglu_cupy"]["median"] / timings["eager_hf"]["median"])
+    assert res["goals"] == {"grad": 1.25, "no_grad": 1.0}
+
+
+def test_cpu_path_record_per_dtype_and_case():
+    res = bench_cpu_path(Clock(CPU), SETTINGS, progress=lambda _: None, shape=(8, 12, 5), dtypes=("fp32", "bf16"))
+    assert res["shape"] == {"D": 8, "H": 12, "M": 5} and res["reference"] == "eager_hf"
+    assert [(c["what"], c["dtype"], c["goal"]) for c in res["cases"]] == [
+        ("fwd_bwd", "fp32", 1.05), ("nograd_fwd", "fp32", 1.0), ("fwd_bwd", "bf16", 1.15), ("nograd_fwd", "bf16", 1.0)]
+    for case in res["cases"]:
+        assert {name: t["n"] for name, t in case["ms"].items()} == {"eager_hf": 3, "swiglu_cupy": 3}
+        assert case["ratio"] == pytest.approx(case["ms"]["swiglu_cupy"]["median"] / case["ms"]["eager_hf"]["median"])

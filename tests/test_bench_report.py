@@ -28,9 +28,18 @@ def _report():
                             "fwd_gbps": 50.0, "bwd_gbps": 100.0},
         }],
         "copy": {"buffer_bytes": 512 * 2**20, "gbps": 200.0},
-        "host_overhead": [{"shape": {"D": 64, "H": 64, "M": 1, "dtype": "bf16"}, "calls": 10,
-                           "us_per_call": {"eager_hf": 12.5, "liger": None},
+        "host_overhead": [{"shape": {"D": 64, "H": 64, "M": 1, "dtype": "fp32"}, "calls": 10, "rounds": 7,
+                           "reference": "eager_hf", "goals": {"grad": 1.25, "no_grad": 1.0},
+                           "us_per_call": {"grad": {"eager_hf": _stats(12.5), "swiglu_cupy": _stats(25.0),
+                                                    "liger": None},
+                                           "no_grad": {"eager_hf": _stats(10.0), "swiglu_cupy": _stats(9.0),
+                                                       "liger": None}},
+                           "ratio_vs_reference": {"grad": {"eager_hf": 1.0, "swiglu_cupy": 2.0},
+                                                  "no_grad": {"eager_hf": 1.0, "swiglu_cupy": 0.9}},
                            "null_reasons": {"liger": "skipped (--skip)"}}],
+        "cpu_path": {"shape": {"D": 512, "H": 1408, "M": 2048}, "threads": 1, "rounds": 7, "reference": "eager_hf",
+                     "cases": [{"what": "fwd_bwd", "dtype": "bf16", "goal": 1.15, "ratio": 1.1,
+                                "ms": {"eager_hf": _stats(100.0), "swiglu_cupy": _stats(110.0)}}]},
         "compile": [{"dtype": "bf16", "cold": {"first_call_s": 1.25}, "warm": None,
                      "null_reasons": {"warm": "failed: boom"}}],
         "wall_s": 7.0,
@@ -50,8 +59,16 @@ def test_table_rows_ratios_and_reasons():
     assert "device copy (dst.copy_(src), 512 MiB): 200.0 GB/s" in lines
     assert ("  tiny bf16 M=4 [CuPy kernels]: fwd 0.010 ms 50.0 GB/s (25% of copy); "
             "bwd 0.020 ms 100.0 GB/s (50% of copy)") in lines
-    assert f"  {LABELS['eager_hf']:<{len(LABELS[LOWER_BOUND])}}  12.5 us" in lines
-    assert any(line.strip().endswith("- (skipped (--skip))") for line in lines)
+    width = len(LABELS[LOWER_BOUND])
+    assert lines.index(f"  {'contender':<{width}}  {'grad':>20}  {'ratio':>6}  {'no_grad':>20}  {'ratio':>6}") > 0
+    assert f"  {LABELS['swiglu_cupy']:<{width}}  {'25.0 (22.5-27.5)':>20}  {'2.00x':>6}  " \
+           f"{'9.0 (8.1-9.9)':>20}  {'0.90x':>6}" in lines
+    assert f"  {LABELS['liger']:<{width}}  - (skipped (--skip))" in lines
+    assert "ratio ours / eager_hf, host overhead per call, grad: 2.00x (goal <= 1.25x)" in lines
+    assert "ratio ours / eager_hf, host overhead per call, no_grad: 0.90x (goal <= 1.00x)" in lines
+    assert "CPU path (M=2048, D=512, H=1408, 1 thread(s); median of 7 interleaved calls each):" in lines
+    assert ("ratio ours / eager_hf, CPU path fwd+bwd bf16: 1.10x (goal <= 1.15x)  "
+            "(median ms: ours 110.0, eager_hf 100.0)") in lines
     assert "kernel compile, first fwd+bwd in a new process (bf16): cold 1.25 s; warm - (failed: boom)" in lines
     assert lines[-1] == "total bench time: 7.0 s"
 
@@ -63,3 +80,10 @@ def test_table_without_copy_rate_or_elementwise_says_so():
     text = format_table(report)
     assert "device copy" not in text and "% of copy" not in text
     assert "  tiny M=4: failed: no kernels" in text.splitlines()
+
+
+def test_table_says_why_cpu_path_ratios_are_missing():
+    report = _report()
+    report["cpu_path"] = {"error": "not measured: the CPU-path ratios are measured by `bench --device cpu`"}
+    assert ("CPU path ratios: not measured: the CPU-path ratios are measured by `bench --device cpu`"
+            in format_table(report).splitlines())

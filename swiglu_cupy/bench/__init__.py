@@ -3,19 +3,24 @@
 Measured: forward, backward and forward+backward time (CUDA events, or
 ``time.perf_counter`` on CPU; median, p10-p90, min/max over repeats after
 warm-up), the elementwise kernels' bandwidth against a device copy, peak
-memory (fwd+bwd and no-grad forward), host overhead per call at a tiny shape,
-and the kernels' cold-compile and warm-start time in fresh processes.
+memory (fwd+bwd and no-grad forward), host overhead per call at a tiny shape
+(with grad and under no_grad, as ratios to eager HF), on the CPU the CPU
+path's ratios to eager HF at a mid-size shape, and the kernels' cold-compile
+and warm-start time in fresh processes. ``--sweep-launch`` times the
+elementwise kernels' launch candidates instead (``sweep``).
 Anything that needs CUDA is recorded as null with the reason on CPU.
 
 One module per job:
 
 - ``config``: model presets, dtypes, the shapes and settings of a run;
 - ``contenders``: the modules compared and the runners that call them;
-- ``measure``: the clock, statistics, peak memory, copy rate, and what is
-  measured per shape, per contender and for host overhead;
+- ``measure``: the clock, statistics, interleaved timing, peak memory, copy
+  rate, and what is measured per shape, per contender, for host overhead and
+  for the CPU path;
 - ``compile_probe``: cold/warm kernel compile in fresh processes;
 - ``environment``: versions, device and commit recorded with the results;
 - ``report``: the text table and the PNG;
+- ``sweep``: ``--sweep-launch``, the launch-shape sweep of the kernels;
 - ``cli``: arguments, their resolution into shapes and settings, and ``run``.
 
 A new measurement mode gets its own module beside ``measure``, reusing its

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 
 from .compile_probe import bench_compile
-from .config import DTYPES, PRESETS, SMOKE_SHAPE, Settings, Shape
+from .config import CPU_PATH_DTYPES, DTYPES, PRESETS, SMOKE_SHAPE, Settings, Shape
 from .contenders import CONTENDERS, LABELS, LOWER_BOUND
 from .environment import environment
-from .measure import Clock, bench_copy, bench_overhead, bench_shape, short_error
+from .measure import OVERHEAD_MODES, Clock, bench_copy, bench_cpu_path, bench_overhead, bench_shape, short_error
 from .report import format_table, plot
 
 
@@ -52,7 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_non_negative_int, help="untimed warm-up calls per measurement")
     p.add_argument("--skip", nargs="+", choices=list(CONTENDERS), default=[], metavar="NAME",
                    help=f"contenders to leave out: {', '.join(CONTENDERS)}")
-    p.add_argument("--out", default="bench-results", help="directory for bench.json, bench.txt and bench.png")
+    p.add_argument("--sweep-launch", action="store_true",
+                   help="instead of the comparison: time every launch candidate of the elementwise kernels "
+                        "(CUDA only; bf16, M=8192, H=11008 and 14336 unless --tokens/--hidden/--preset/--dtype "
+                        "say otherwise); writes sweep.json and sweep.txt")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt)")
 
 
 def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
@@ -90,11 +95,11 @@ def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
     dtypes = args.dtype or ([SMOKE_SHAPE[3]] if on_cpu else ["bf16"])
     shapes = [Shape(name, D, H, M, dt) for dt in dtypes for (name, D, H) in dims for M in tokens]
     if on_cpu:
-        settings = Settings(device, args.quick, 1, 3, 200, 32)
+        settings = Settings(device, args.quick, 1, 3, 300, 32)
     elif args.quick:
-        settings = Settings(device, True, 3, 10, 1000, 512)
+        settings = Settings(device, True, 3, 10, 300, 512)
     else:
-        settings = Settings(device, False, 5, 30, 2000, 512)
+        settings = Settings(device, False, 5, 30, 300, 512)
     if args.warmup is not None:
         settings.warmup = args.warmup
     if args.repeats is not None:
@@ -103,6 +108,9 @@ def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep_launch:
+        from .sweep import run as run_sweep
+        return run_sweep(args)
     try:
         shapes, settings = resolve(args)
     except (ValueError, RuntimeError) as exc:
@@ -123,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         print("note: --quick is a GPU preset; on CPU the smoke configuration runs", file=sys.stderr)
 
     dtypes = list(dict.fromkeys(s.dtype for s in shapes))
-    total = len(shapes) * (len(CONTENDERS) + 2) + 1 + (len(CONTENDERS) + 1) + len(dtypes)
+    cpu_path_steps = 2 * len(CPU_PATH_DTYPES) if device.type == "cpu" else 0
+    total = len(shapes) * (len(CONTENDERS) + 2) + 1 + len(OVERHEAD_MODES) + cpu_path_steps + len(dtypes)
     step = [0]
     start = time.perf_counter()
 
@@ -147,7 +156,14 @@ def run(args: argparse.Namespace) -> int:
         report["copy"] = bench_copy(clock, settings)
     except Exception as exc:
         report["copy"] = {"gbps": None, "error": f"failed: {short_error(exc)}"}
-    report["host_overhead"] = [bench_overhead(clock, settings, dtypes[0], skip, progress)]
+    report["host_overhead"] = [bench_overhead(clock, settings, skip, progress)]
+    if device.type == "cpu":
+        try:
+            report["cpu_path"] = bench_cpu_path(clock, settings, progress)
+        except Exception as exc:
+            report["cpu_path"] = {"error": f"failed: {short_error(exc)}"}
+    else:
+        report["cpu_path"] = {"error": "not measured: the CPU-path ratios are measured by `bench --device cpu`"}
     report["compile"] = []
     for dt in dtypes:
         progress(f"kernel cold compile / warm start ({dt}, fresh processes)")

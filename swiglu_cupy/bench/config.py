@@ -13,7 +13,14 @@ PRESETS = {
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SMOKE_SHAPE = (64, 176, 32, "fp32")         # D, H, M, dtype: the CPU smoke configuration
-OVERHEAD_SHAPE = (64, 64, 1)                # D, H, M for the host-overhead measurement
+OVERHEAD_SHAPE = (64, 64, 1, "fp32")        # D, H, M, dtype for the host-overhead measurement
+CPU_PATH_SHAPE = (512, 1408, 2048)          # D, H, M for the CPU-path ratios (bench --device cpu)
+CPU_PATH_DTYPES = ("fp32", "bf16")
+RATIO_REFERENCE = "eager_hf"                # ratios are ours / this contender
+# Issue 11's goals for ours / eager HF, printed next to each measured ratio.
+OVERHEAD_GOALS = {"grad": 1.25, "no_grad": 1.0}
+CPU_PATH_GOALS = {("fwd_bwd", "fp32"): 1.05, ("fwd_bwd", "bf16"): 1.15,
+                  ("nograd_fwd", "fp32"): 1.0, ("nograd_fwd", "bf16"): 1.0}
 
 
 @dataclass
@@ -34,5 +41,6 @@ class Settings:
     quick: bool
     warmup: int
     repeats: int
-    overhead_calls: int
+    overhead_calls: int     # calls per timed block of the host-overhead measurement
     copy_mib: int
+    ratio_rounds: int = 7   # interleaved rounds behind each ratio's medians

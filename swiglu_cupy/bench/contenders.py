@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 LOWER_BOUND = "gemm_lower_bound"
+OURS = "swiglu_cupy"
 CONTENDERS = ("eager_hf", "eager_packed", "torch_compile", "liger", "swiglu_cupy")
 LABELS = {
     LOWER_BOUND: "GEMMs only (lower bound)",

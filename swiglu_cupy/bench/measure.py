@@ -9,8 +9,9 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
-from .config import DTYPES, OVERHEAD_SHAPE, Settings, Shape
-from .contenders import (CONTENDERS, LABELS, LOWER_BOUND, GemmRunner, ModuleRunner, Unavailable,
+from .config import (CPU_PATH_DTYPES, CPU_PATH_GOALS, CPU_PATH_SHAPE, DTYPES, OVERHEAD_GOALS, OVERHEAD_SHAPE,
+                     RATIO_REFERENCE, Settings, Shape)
+from .contenders import (CONTENDERS, LABELS, LOWER_BOUND, OURS, GemmRunner, ModuleRunner, Unavailable,
                          build_module, master_weights, ours_implementation)
 
 NEEDS_CUDA = "needs CUDA (running on CPU)"
@@ -23,6 +24,36 @@ def stats(samples_ms: list[float]) -> dict:
         "p90": float(np.percentile(a, 90)), "min": float(a.min()), "max": float(a.max()),
         "mean": float(a.mean()), "n": int(a.size),
     }
+
+
+_UNITS = {"ms": 1e3, "us": 1e6}
+
+
+def interleaved(fns: dict, clock: "Clock", rounds: int, calls: int, unit: str = "ms") -> dict:
+    """Time per call of each callable in ``fns`` (stats in ``unit``) over
+    ``rounds`` rounds. A round times one synchronized block of ``calls`` calls
+    of every callable, in an order rotated per round, so a drift in machine
+    load hits every callable alike and the medians can be compared."""
+    names = list(fns)
+    samples: dict = {name: [] for name in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            fn = fns[name]
+            clock.sync()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            clock.sync()
+            samples[name].append((time.perf_counter() - start) / calls * _UNITS[unit])
+    return {name: stats(values) for name, values in samples.items()}
+
+
+def median_ratio(timings: dict, name: str, reference: str) -> float | None:
+    """median(name) / median(reference), None when either was not measured."""
+    if timings.get(name) is None or timings.get(reference) is None:
+        return None
+    return timings[name]["median"] / timings[reference]["median"]
 
 
 class Clock:
@@ -189,14 +220,19 @@ def bench_shape(shape: Shape, clock: Clock, settings: Settings, skip, progress) 
     return out
 
 
+def elementwise_bytes(M: int, H: int, element_size: int) -> tuple[int, int]:
+    """Bytes the elementwise primitives move for M rows: forward reads 2H (x12)
+    and writes H (h) elements per row; backward reads 2H (x12) + H (dh) and
+    writes 2H (dx12) + H (h)."""
+    return M * 3 * H * element_size, M * 6 * H * element_size
+
+
 def bench_elementwise(shape: Shape, clock: Clock, settings: Settings) -> dict:
-    """The primitives alone: forward reads 2H and writes H elements per token;
-    backward reads 2H (x12) + H (dh) and writes 2H (dx12) + H (h)."""
+    """The primitives alone, bytes counted by :func:`elementwise_bytes`."""
     from .. import primitives
 
     device, dtype = clock.device, DTYPES[shape.dtype]
     M, H = shape.M, shape.H
-    size = torch.finfo(dtype).bits // 8
     x12 = torch.randn(M, 2 * H, device=device, dtype=dtype)
     dh = torch.randn(M, H, device=device, dtype=dtype)
     h = torch.empty(M, H, device=device, dtype=dtype)
@@ -205,7 +241,7 @@ def bench_elementwise(shape: Shape, clock: Clock, settings: Settings) -> dict:
     fwd = stats(clock.samples(lambda _: primitives.swiglu_forward(x12, out=h), None, max(w, 1), r))
     bwd = stats(clock.samples(lambda _: primitives.swiglu_backward(x12, dh, dx12_out=dx12),
                               None, max(w, 1), r))
-    fwd_bytes, bwd_bytes = M * 3 * H * size, M * 6 * H * size
+    fwd_bytes, bwd_bytes = elementwise_bytes(M, H, torch.finfo(dtype).bits // 8)
     return {
         "implementation": ours_implementation(device),
         "fwd_ms": fwd, "bwd_ms": bwd, "fwd_bytes": fwd_bytes, "bwd_bytes": bwd_bytes,
@@ -223,42 +259,90 @@ def bench_copy(clock: Clock, settings: Settings) -> dict:
     return {"buffer_bytes": nbytes, "ms": t, "gbps": 2 * nbytes / (t["median"] * 1e-3) / 1e9}
 
 
-def bench_overhead(clock: Clock, settings: Settings, dtype_name: str, skip, progress) -> dict:
-    """Wall-clock time per forward call (grad enabled) at a tiny shape, averaged over many calls."""
-    D, H, M = OVERHEAD_SHAPE
+OVERHEAD_MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad}
+
+
+def bench_overhead(clock: Clock, settings: Settings, skip, progress) -> dict:
+    """Host time per forward call at a tiny shape (weights require grad), with
+    grad enabled and under ``no_grad``: per mode, the contenders interleaved
+    (:func:`interleaved`, ``settings.ratio_rounds`` blocks of
+    ``settings.overhead_calls`` calls each), and ours / eager HF as a ratio
+    of the medians."""
+    D, H, M, dtype_name = OVERHEAD_SHAPE
     device, dtype = clock.device, DTYPES[dtype_name]
-    calls = settings.overhead_calls
-    out = {"shape": {"D": D, "H": H, "M": M, "dtype": dtype_name}, "calls": calls,
-           "mode": "forward with grad enabled (weights require grad), synchronized once after all calls",
-           "us_per_call": {}, "null_reasons": {}}
+    calls, rounds = settings.overhead_calls, settings.ratio_rounds
+    out = {"shape": {"D": D, "H": H, "M": M, "dtype": dtype_name}, "calls": calls, "rounds": rounds,
+           "reference": RATIO_REFERENCE, "goals": dict(OVERHEAD_GOALS),
+           "mode": f"forward, weights require grad; per mode the median over {rounds} interleaved rounds "
+                   f"of a block of {calls} calls synchronized at its ends",
+           "us_per_call": {}, "ratio_vs_reference": {}, "null_reasons": {}}
     weights = master_weights(D, H, dtype, device)
+    runners = {}
     for name in (LOWER_BOUND, *CONTENDERS):
-        progress(f"host overhead M={M} D={D} H={H} {dtype_name} {name}")
         if name in skip:
-            out["us_per_call"][name] = None
             out["null_reasons"][name] = "skipped (--skip)"
             continue
         try:
             if name == LOWER_BOUND:
-                runner = GemmRunner(D, H, M, dtype, device, weights)
+                runners[name] = GemmRunner(D, H, M, dtype, device, weights)
             else:
                 x = torch.randn(M, D, device=device, dtype=dtype)
-                runner = ModuleRunner(build_module(name, D, H, dtype, device, weights), x, x)
-            for _ in range(max(settings.warmup, 1) + 10):
-                runner.fwd()
-            clock.sync()
-            start = time.perf_counter()
-            for _ in range(calls):
-                runner.fwd()
-            clock.sync()
-            out["us_per_call"][name] = (time.perf_counter() - start) / calls * 1e6
+                runners[name] = ModuleRunner(build_module(name, D, H, dtype, device, weights), x, x)
         except Unavailable as exc:
-            out["us_per_call"][name] = None
             out["null_reasons"][name] = str(exc)
         except Exception as exc:
-            out["us_per_call"][name] = None
             out["null_reasons"][name] = f"failed: {short_error(exc)}"
-        runner = None
+    for mode, grad_mode in OVERHEAD_MODES.items():
+        progress(f"host overhead M={M} D={D} H={H} {dtype_name}, {mode}, {len(runners)} contenders interleaved")
+        fns = {}
+        with grad_mode():
+            for name, runner in runners.items():
+                try:  # warm-up in this mode (torch.compile guards on the grad mode)
+                    for _ in range(max(settings.warmup, 1) + 10):
+                        runner.fwd()
+                    fns[name] = runner.fwd
+                except Exception as exc:
+                    out["null_reasons"][f"{name} ({mode})"] = f"failed: {short_error(exc)}"
+            timings = interleaved(fns, clock, rounds, calls, unit="us")
+        out["us_per_call"][mode] = {name: timings.get(name) for name in (LOWER_BOUND, *CONTENDERS)}
+        out["ratio_vs_reference"][mode] = {name: median_ratio(timings, name, RATIO_REFERENCE) for name in timings}
+    runners = fns = None
     if "torch_compile" not in skip:
         torch._dynamo.reset()
+    return out
+
+
+def bench_cpu_path(clock: Clock, settings: Settings, progress, shape=CPU_PATH_SHAPE,
+                   dtypes=CPU_PATH_DTYPES) -> dict:
+    """Ours against eager HF at a mid-size shape on the CPU: forward+backward
+    and the no-grad forward, per dtype, interleaved (one call per round and
+    contender, ``settings.ratio_rounds`` rounds); the ratio of the medians."""
+    D, H, M = shape
+    device = clock.device
+    out = {"shape": {"D": D, "H": H, "M": M}, "threads": torch.get_num_threads(),
+           "rounds": settings.ratio_rounds, "reference": RATIO_REFERENCE, "cases": []}
+    for dtype_name in dtypes:
+        dtype = DTYPES[dtype_name]
+        weights = master_weights(D, H, dtype, device)
+        x = torch.randn(M, D, device=device, dtype=dtype).requires_grad_(True)
+        dy = torch.randn(M, D, device=device, dtype=dtype)
+        runners = {name: ModuleRunner(build_module(name, D, H, dtype, device, weights), x, dy)
+                   for name in (RATIO_REFERENCE, OURS)}
+        cases = {
+            # Gradients set to None before each step, as zero_grad() does.
+            "fwd_bwd": {name: (lambda r=r: (r.zero(), r.fwd_bwd())) for name, r in runners.items()},
+            "nograd_fwd": {name: r.nograd for name, r in runners.items()},
+        }
+        for what, fns in cases.items():
+            progress(f"CPU path {what} M={M} D={D} H={H} {dtype_name}, ours and {RATIO_REFERENCE} interleaved")
+            for fn in fns.values():
+                for _ in range(max(settings.warmup, 1)):
+                    fn()
+            timings = interleaved(fns, clock, settings.ratio_rounds, calls=1, unit="ms")
+            out["cases"].append({"what": what, "dtype": dtype_name, "ms": timings,
+                                 "ratio": median_ratio(timings, OURS, RATIO_REFERENCE),
+                                 "goal": CPU_PATH_GOALS.get((what, dtype_name))})
+        for r in runners.values():
+            r.zero()
+        runners = cases = x = dy = weights = None
     return out

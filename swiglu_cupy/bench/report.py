@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .contenders import CONTENDERS, LABELS, LOWER_BOUND
+from .contenders import CONTENDERS, LABELS, LOWER_BOUND, OURS
 from .measure import short_error
 
 
@@ -15,6 +15,56 @@ def _ms(s) -> str:
 
 def _mib(b) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def _us(s) -> str:
+    return "-" if not s else f"{s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f})"
+
+
+def _ratio(value, goal=None) -> str:
+    text = "-" if value is None else f"{value:.2f}x"
+    return text if goal is None else f"{text} (goal <= {goal:.2f}x)"
+
+
+def _overhead_lines(ov: dict, width: int) -> list[str]:
+    s, ref = ov["shape"], ov["reference"]
+    modes = list(ov["us_per_call"])
+    lines = [f"host overhead per forward call, us (M={s['M']}, D={s['D']}, H={s['H']}, {s['dtype']}; median "
+             f"(p10-p90) of {ov['rounds']} interleaved blocks of {ov['calls']} calls; ratio = / {ref}):",
+             f"  {'contender':<{width}}" + "".join(f"  {m:>20}  {'ratio':>6}" for m in modes)]
+    for name in ov["us_per_call"][modes[0]]:
+        timings = [ov["us_per_call"][m].get(name) for m in modes]
+        if all(t is None for t in timings):
+            reason = ov["null_reasons"].get(name) or "; ".join(
+                f"{m}: {ov['null_reasons'].get(f'{name} ({m})')}" for m in modes)
+            lines.append(f"  {LABELS[name]:<{width}}  - ({reason})")
+            continue
+        cells = "".join(f"  {_us(t):>20}  {_ratio(ov['ratio_vs_reference'][m].get(name)):>6}"
+                        for m, t in zip(modes, timings))
+        lines.append(f"  {LABELS[name]:<{width}}{cells}")
+    for m in modes:
+        lines.append(f"ratio ours / {ref}, host overhead per call, {m}: "
+                     f"{_ratio(ov['ratio_vs_reference'][m].get(OURS), ov['goals'].get(m))}")
+    return lines
+
+
+_CASE_NAMES = {"fwd_bwd": "fwd+bwd", "nograd_fwd": "no-grad fwd"}
+
+
+def _cpu_path_lines(cpu: dict | None) -> list[str]:
+    if not cpu:
+        return []
+    if "error" in cpu:
+        return [f"CPU path ratios: {cpu['error']}"]
+    s, ref = cpu["shape"], cpu["reference"]
+    lines = [f"CPU path (M={s['M']}, D={s['D']}, H={s['H']}, {cpu['threads']} thread(s); median of "
+             f"{cpu['rounds']} interleaved calls each):"]
+    for case in cpu["cases"]:
+        ms = case["ms"]
+        lines.append(f"ratio ours / {ref}, CPU path {_CASE_NAMES[case['what']]} {case['dtype']}: "
+                     f"{_ratio(case['ratio'], case['goal'])}  (median ms: ours {ms[OURS]['median']:.1f}, "
+                     f"{ref} {ms[ref]['median']:.1f})")
+    return lines
 
 
 def format_table(report: dict) -> str:
@@ -62,12 +112,8 @@ def format_table(report: dict) -> str:
                      f"fwd {el['fwd_ms']['median']:.3f} ms {el['fwd_gbps']:.1f} GB/s{pct(el['fwd_gbps'])}; "
                      f"bwd {el['bwd_ms']['median']:.3f} ms {el['bwd_gbps']:.1f} GB/s{pct(el['bwd_gbps'])}")
     for ov in report.get("host_overhead", []):
-        s = ov["shape"]
-        lines.append(f"host overhead per forward call (M={s['M']}, D={s['D']}, H={s['H']}, {s['dtype']}, "
-                     f"{ov['calls']} calls):")
-        for name, us in ov["us_per_call"].items():
-            text = f"{us:.1f} us" if us is not None else f"- ({ov['null_reasons'].get(name)})"
-            lines.append(f"  {LABELS[name]:<{width}}  {text}")
+        lines += _overhead_lines(ov, width)
+    lines += _cpu_path_lines(report.get("cpu_path"))
     for comp in report.get("compile", []):
         parts = []
         for key in ("cold", "warm"):
