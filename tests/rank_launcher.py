@@ -7,13 +7,16 @@ function, so it pickles by name) and saves what it returns. Each rank writes
 its result (or its traceback) to tmp_path; the parent fails the test, with
 the ranks' tracebacks, when a rank fails or when the ranks are not done
 within ``timeout`` seconds (then they are killed): a broken collective fails
-instead of hanging. Shared by test_distributed.py and test_parallel.py.
+instead of hanging. Shared by test_distributed.py and test_parallel.py, as are
+``run_torchrun`` / ``torchrun_worker`` for their GPU (nccl) variants.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -92,3 +95,44 @@ def launch(run_case, case, tmp_path, monkeypatch, world, timeout):
         why = f"ranks {hung} still running after {timeout}s, killed" if hung else "a rank failed"
         pytest.fail(f"case {case!r}: {why}; exit codes {codes}\n{rank_errors(tmp_path, world)}")
     return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+
+
+def run_torchrun(script: Path, case: str, tmp_path: Path, world: int, timeout: float) -> None:
+    """Runs ``script --case CASE --out tmp_path`` on ``world`` ranks under
+    torchrun (the GPU tests); fails the test with the ranks' tracebacks if a
+    rank fails or the run outlasts ``timeout``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           str(script), "--case", case, "--out", str(tmp_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"))
+    except subprocess.TimeoutExpired as e:  # subprocess.run kills torchrun
+        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_errors(tmp_path, world)}")
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
+                    f"{rank_errors(tmp_path, world)}")
+
+
+def torchrun_worker(run_case) -> None:
+    """The rank side of ``run_torchrun``: nccl on the rank's GPU (gloo on the
+    CPU without CUDA), then saves ``run_case(case, rank, world, device)``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(args.out)
+    try:
+        if torch.cuda.is_available():
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        torch.save(run_case(args.case, rank, world, device), out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (out / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise

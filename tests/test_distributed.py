@@ -13,14 +13,8 @@ machine without CUDA it runs the same case on gloo + CPU):
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
 import importlib
-import os
-import subprocess
-import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -477,17 +471,7 @@ def test_fsdp1_checkpoint_wrapper_torchrun(tmp_path):
     """FSDP1 (FullyShardedDataParallel, use_orig_params) with non-reentrant
     checkpoint_wrapper on every block, nccl, under torchrun."""
     world = min(2, torch.cuda.device_count())
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_addr=127.0.0.1", f"--master_port={rank_launcher.free_port()}",
-           str(Path(__file__).resolve()), "--case", "fsdp1", "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_TIMEOUT_S + 60, env=env)
-    except subprocess.TimeoutExpired as e:  # subprocess.run kills torchrun
-        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_launcher.rank_errors(tmp_path, world)}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
-                    f"{rank_launcher.rank_errors(tmp_path, world)}")
+    rank_launcher.run_torchrun(Path(__file__).resolve(), "fsdp1", tmp_path, world, RANK_TIMEOUT_S + 60)
     ref = reference_run(device="cuda")
     for r in range(world):
         # cuBLAS may pick other algorithms for the per-rank M than for the
@@ -495,28 +479,5 @@ def test_fsdp1_checkpoint_wrapper_torchrun(tmp_path):
         assert_matches(torch.load(tmp_path / f"rank{r}.pt"), ref)
 
 
-def _torchrun_main():
-    """torchrun worker (nccl + CUDA, else gloo + CPU)."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = Path(args.out)
-    try:
-        if torch.cuda.is_available():
-            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=60))
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-        torch.save(_run_case(args.case, rank, world, device), out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
-
-
 if __name__ == "__main__":
-    _torchrun_main()
+    rank_launcher.torchrun_worker(_run_case)

@@ -16,18 +16,11 @@ Also the torchrun worker of the GPU (nccl) test:
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import datetime
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -370,7 +363,7 @@ def check_tp_results(results, world):
         for name in PARAMS:
             assert torch.equal(r["full"][name], ref["params"][name]), name
         # each rank holds only its shard: gate rows and up rows of its slice
-        w12, b12, w3 = ref["params"]["w12.weight"], ref["params"]["w12.bias"], ref["params"]["w3.weight"]
+        w12, w3 = ref["params"]["w12.weight"], ref["params"]["w3.weight"]
         mine = slice(rank * rows, (rank + 1) * rows)
         up = slice(H + rank * rows, H + (rank + 1) * rows)
         assert torch.equal(r["local"]["w12.weight"], torch.cat([w12[mine], w12[up]]))
@@ -507,17 +500,7 @@ def test_tensor_parallel_nccl_torchrun(tmp_path):
     """The TP case on GPUs with nccl under torchrun (one GPU per rank; with a
     single GPU it runs TP=1, which still exercises DTensor + the CUDA kernels)."""
     world = min(TP, torch.cuda.device_count())
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-           "--master_addr=127.0.0.1", f"--master_port={rank_launcher.free_port()}",
-           str(Path(__file__).resolve()), "--case", "tp", "--out", str(tmp_path)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RANK_TIMEOUT_S + 60,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"))
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"torchrun timed out\n{e.stdout}\n{e.stderr}\n{rank_launcher.rank_errors(tmp_path, world)}")
-    if proc.returncode != 0:
-        pytest.fail(f"torchrun exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}\n"
-                    f"{rank_launcher.rank_errors(tmp_path, world)}")
+    rank_launcher.run_torchrun(Path(__file__).resolve(), "tp", tmp_path, world, RANK_TIMEOUT_S + 60)
     global DEVICE
     DEVICE = torch.device("cuda")
     try:
@@ -526,25 +509,12 @@ def test_tensor_parallel_nccl_torchrun(tmp_path):
         DEVICE = torch.device("cpu")
 
 
-def _torchrun_main():
-    """torchrun worker: nccl + CUDA."""
+def _run_case_on(case, rank, world, device):
+    """torchrun worker entry: the case on this rank's device (nccl + CUDA)."""
     global DEVICE
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = Path(args.out)
-    try:
-        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(DEVICE)
-        dist.init_process_group("nccl", device_id=DEVICE, timeout=datetime.timedelta(seconds=60))
-        torch.save(run_case(args.case, rank, world), out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-    except BaseException:
-        (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        raise
+    DEVICE = device
+    return run_case(case, rank, world)
 
 
 if __name__ == "__main__":
-    _torchrun_main()
+    rank_launcher.torchrun_worker(_run_case_on)
