@@ -309,3 +309,36 @@ def test_torchscript_raises_one_clear_error_naming_torch_export():
                      lambda: torch.jit.script(nn.Sequential(block))):
         with pytest.raises(RuntimeError, match="torch.export"):
             compile_()
+
+
+def test_func_and_export_of_swiglu_unpacked():
+    """Separate gate/up weights (the xformers unpacked op's path) under
+    torch.func and torch.export, against the packed reference."""
+    block = _block()
+    H_ = block.hidden_features
+    w12, b12, w3, b3 = (t.detach() for t in (block.w12.weight, block.w12.bias, block.w3.weight, block.w3.bias))
+    w1, w2, b1, b2 = w12[:H_], w12[H_:], b12[:H_], b12[H_:]
+
+    def unpacked(x, w1, w2):
+        return sc.swiglu_unpacked(x, w1, b1, w2, b2, w3, b3)
+
+    def reference(x, w1, w2):
+        return sc.swiglu_reference(x, torch.cat([w1, w2]), b12, w3, b3)
+
+    x = _x(3, 4)
+    loss = lambda f: lambda *a: f(*a).pow(2).sum()  # noqa: E731
+    got = grad(loss(unpacked), argnums=(0, 1, 2))(x, w1, w2)
+    want = grad(loss(reference), argnums=(0, 1, 2))(x, w1, w2)
+    for g, w, name in zip(got, want, ("x", "w1", "w2")):
+        assert_nontrivial(g, name)
+        torch.testing.assert_close(g, w, **TOL)
+    torch.testing.assert_close(vmap(unpacked, in_dims=(0, None, None))(x, w1, w2),
+                               vmap(reference, in_dims=(0, None, None))(x, w1, w2), **TOL)
+
+    class Unpacked(nn.Module):
+        def forward(self, x):
+            return unpacked(x, w1, w2)
+
+    ep = torch.export.export(Unpacked(), (x,))
+    assert "swiglu_cupy.swiglu_forward.default" in _our_ops(ep)
+    torch.testing.assert_close(ep.module()(x), reference(x, w1, w2), **TOL)
