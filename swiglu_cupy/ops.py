@@ -1,7 +1,9 @@
 """The primitives as registered torch ops (``torch.ops.swiglu_cupy.*``), the
 view that tracers and program transforms get of them.
 
-Each op wraps one plain function below, so there is one implementation:
+Each op wraps one plain function below, so there is one implementation
+(the primitives' ``run_*`` entry points: the arguments were validated once,
+by the public API):
 - eager calls use the plain function directly (the custom-op dispatcher
   costs ~13 us per call);
 - torch.compile / torch.export trace the op: it stays in the graph as
@@ -38,13 +40,13 @@ def _h_over_gate(x12: torch.Tensor) -> torch.Tensor:
     """h = silu(gate) * up written over the gate half of x12 (the silu_mul
     primitive on x12's two halves); returns that strided [M, H] view."""
     gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
-    return primitives.silu_mul_forward(gate, up, out=gate)
+    return primitives.run_silu_mul_forward(gate, up, gate)
 
 
 # ---- plain bodies (one implementation each) -------------------------------------------------
 
 def _forward(x12: torch.Tensor) -> torch.Tensor:
-    return primitives.swiglu_forward(x12)
+    return primitives.run_swiglu_forward(x12)
 
 
 def _forward_inplace(x12: torch.Tensor) -> None:
@@ -53,21 +55,21 @@ def _forward_inplace(x12: torch.Tensor) -> None:
 
 
 def _backward(x12: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return primitives.swiglu_backward(x12, dh)
+    return primitives.run_swiglu_backward(x12, dh)
 
 
 def _backward_inplace(x12: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     """Writes dx12 over x12 and returns the recomputed h."""
-    return primitives.swiglu_backward(x12, dh, dx12_out=x12)[1]
+    return primitives.run_swiglu_backward(x12, dh, x12)[1]
 
 
 def _silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return primitives.silu_mul_forward(gate, up)
+    return primitives.run_silu_mul_forward(gate, up)
 
 
 def _silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    return primitives.silu_mul_backward(gate, up, dh)
+    return primitives.run_silu_mul_backward(gate, up, dh)
 
 
 # ---- registration ---------------------------------------------------------------------------
