@@ -118,7 +118,7 @@ class SwiGLUFunction(_LeanApplyFunction):
     @staticmethod
     def forward(x, w1, b1, w2, b2, w3, b3, recompute_gate_up=False, inplace_backward=False,
                 inference=False):
-        return _forward_pass(x, w1, b1, w2, b2, w3, b3, inference)
+        return _forward_pass(x, w1, b1, w2, b2, w3, b3, inference, _functional(x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -178,12 +178,11 @@ class SwiGLUFunction(_LeanApplyFunction):
         return _vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), modes)
 
 
-def _forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool):
+def _forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool, functional: bool):
     """The forward's computation: (y, x12). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path."""
-    functional = _functional(x)
     x12 = _gate_up(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, functional)
     h = ops.forward_inplace(x12) if inference else ops.forward(x12)
     return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0]), functional), x12
@@ -335,6 +334,20 @@ def _common_case(x, weights, biases) -> bool:
     return True
 
 
+def _common_packed_case(x, w12, b12, w3, b3) -> bool:
+    """``_common_case`` and ``_check_shapes`` in one pass, for the hot
+    packed call; False sends the call through both for the precise error."""
+    if not _common_case(x, (w12, w3), (b12, b3)):
+        return False
+    try:
+        rows, D = w12.shape
+        O, H = w3.shape
+        return (x.shape[-1] == D and rows == 2 * H and H > 0
+                and (b12 is None or b12.shape == (rows,)) and (b3 is None or b3.shape == (O,)))
+    except (ValueError, IndexError):  # a rank other than 2, or a 0-d x
+        return False
+
+
 def _check_inputs(tensors: dict, optional: tuple) -> None:
     """The full per-tensor checks, each error naming its argument."""
     for name, t in tensors.items():
@@ -361,7 +374,7 @@ def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
         return SwiGLUFunction.apply(*args, *flags, not torch.is_grad_enabled())[0]
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
-    return _forward_pass(*args, inference=True)[0]
+    return _forward_pass(*args, True, False)[0]  # inference, eager (no tracer, no transform)
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -374,9 +387,9 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     ``nn.Linear`` does), and the gradients flow back in each input's dtype.
     """
     _reject_jit()
-    if not _common_case(x, (w12, w3), (b12, b3)):
+    if not _common_packed_case(x, w12, b12, w3, b3):
         _check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, optional=("b12", "b3"))
-    _check_shapes(x, w12, b12, w3, b3)
+        _check_shapes(x, w12, b12, w3, b3)
     if type(recompute_gate_up) is not bool or type(inplace_backward) is not bool:
         _check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
     return _run([x, w12, b12, None, None, w3, b3], (recompute_gate_up, inplace_backward))

@@ -71,3 +71,26 @@ def test_constructor_rejects_bad_sizes(kwargs, match):
 
 def test_repr():
     assert "hidden_features=5" in repr(sc.SwiGLU(3, 5))
+
+
+def test_forward_sees_parametrized_and_reassigned_weights():
+    """forward reads its weights from the module registries for speed; a
+    parametrization (weight no longer registered) or a re-registered
+    parameter must still be what it computes with."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(0)
+    m = sc.SwiGLU(8, 12, dtype=torch.float64)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w12, b12, w3, b3 = (p.detach().clone() for p in (m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias))
+    parametrize.register_parametrization(m.w12, "weight", Double())
+    y = m(x)
+    torch.testing.assert_close(y, sc.swiglu_reference(x, 2 * w12, b12, w3, b3))
+    y.sum().backward()
+    assert m.w12.parametrizations.weight.original.grad is not None
+    m.w3.weight = torch.nn.Parameter(torch.zeros_like(w3))
+    torch.testing.assert_close(m(x), b3.expand(3, -1))
