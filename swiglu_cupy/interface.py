@@ -87,7 +87,8 @@ class _LeanApplyFunction(torch.autograd.Function):
     def apply(cls, *args):
         if not torch._C._are_functorch_transforms_active():
             for a in args:
-                if isinstance(a, torch.Tensor) and _is_functorch_wrapped(a):
+                # Transforms wrap into plain torch.Tensor objects (never Parameters or subclasses).
+                if a.__class__ is torch.Tensor and _is_functorch_wrapped(a):
                     break  # a tensor left over from a transform: torch's apply unwraps it
             else:
                 # torch.autograd.Function.apply minus the binding: the C++ apply.

@@ -342,3 +342,27 @@ def test_func_and_export_of_swiglu_unpacked():
     ep = torch.export.export(Unpacked(), (x,))
     assert "swiglu_cupy.swiglu_forward.default" in _our_ops(ep)
     torch.testing.assert_close(ep.module()(x), reference(x, w1, w2), **TOL)
+
+
+def test_a_tensor_left_over_from_a_transform_still_works():
+    """A tensor that escaped a finished torch.func transform is a dead
+    wrapper: the Functions' lean apply hands it to torch's apply, which
+    unwraps it, so the result and the gradient reaching the original tensor
+    are those of the plain tensor (the C++ apply alone loses the gradient)."""
+    leaked = []
+    x = _x(3, requires_grad=True)
+    torch.func.vjp(lambda t: leaked.append(t) or t * 1, x)
+    (dead,) = leaked
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    block = _block()
+    up = torch.randn(3, D, dtype=torch.float64)
+    for fn in (block, lambda t: sc.silu_mul(t, up)):
+        y = fn(dead)
+        y.pow(2).sum().backward()
+        got, x.grad = x.grad, None
+        y_ref = fn(x)
+        y_ref.pow(2).sum().backward()
+        torch.testing.assert_close(y, y_ref, **TOL)
+        assert_nontrivial(got, "grad through the dead wrapper")
+        torch.testing.assert_close(got, x.grad, **TOL)
+        x.grad = None
