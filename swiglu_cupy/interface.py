@@ -63,10 +63,11 @@ def _gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, functional: bool) 
 
 
 def _down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, functional: bool) -> torch.Tensor:
-    """y = h @ w3.T + b3 in ``out_shape``, allocated in that shape (not a view,
-    which FSDP2 warns about) outside tracing."""
-    if len(out_shape) == 2:
-        return _linear_2d(h, w3, b3)  # the GEMM's own output is y
+    """y = h @ w3.T + b3 in ``out_shape`` (None: 2-D x, y is the GEMM's own
+    output), allocated in that shape (not a view, which FSDP2 warns about)
+    outside tracing."""
+    if out_shape is None:
+        return _linear_2d(h, w3, b3)
     if functional:
         return _linear_2d(h, w3, b3).view(out_shape)
     y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
@@ -184,9 +185,10 @@ def _forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool, functional: bool):
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path."""
-    x12 = _gate_up(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, functional)
+    flat = x.dim() == 2
+    x12 = _gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, functional)
     h = ops.forward_inplace(x12) if inference else ops.forward(x12)
-    return _down(h, w3, b3, (*x.shape[:-1], w3.shape[0]), functional), x12
+    return _down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), functional), x12
 
 
 def _input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:

@@ -45,7 +45,7 @@ def _mul_store(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, out: torch.
 
 
 def _is_same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
 
 
 def _in_row_blocks(fn, *tensors: torch.Tensor | None) -> None:
