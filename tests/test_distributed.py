@@ -176,6 +176,11 @@ def _view_hooks(modules, record):
         m.register_forward_hook(lambda _m, _i, out: record.append(bool(out._is_view() or out._base is not None)))
 
 
+def dtensor_full_grads(model):
+    """Every parameter's full (unsharded) grad, on the CPU, from DTensor grads."""
+    return {n: p.grad.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
+
+
 def _train(model, x, target, full_grads, record_warnings=False):
     """STEPS steps of SGD; returns losses (rank-averaged), full grads per step
     and any warnings raised during forward."""
@@ -210,10 +215,7 @@ def _case_fsdp2(rank, world, mixed_precision=False, build=build_model):
     assert all(type(p).__name__ == "DTensor" for p in model.parameters())
     x, target = local_batch(rank, world)
 
-    def full_grads(m):
-        return {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters()}
-
-    result = _train(model, x, target, full_grads)
+    result = _train(model, x, target, dtensor_full_grads)
     result["views"] = views
     return result
 
@@ -240,10 +242,7 @@ def _case_fsdp2_meta_init(rank, world):
             p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
     x, target = local_batch(rank, world)
 
-    def full_grads(m):
-        return {n: p.grad.full_tensor().detach().clone() for n, p in m.named_parameters()}
-
-    result = _train(model, x, target, full_grads)
+    result = _train(model, x, target, dtensor_full_grads)
     result["initialized"] = initialized
     return result
 

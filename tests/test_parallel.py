@@ -284,10 +284,7 @@ def _case_2d(case, rank, world):
     # tp ranks of one dp group see the same data
     x, target = (t.to(DEVICE) for t in td.local_batch(mesh["dp"].get_local_rank(), world // TP))
 
-    def full_grads(m):
-        return {n: p.grad.full_tensor().detach().cpu().clone() for n, p in m.named_parameters()}
-
-    result = td._train(model, x, target, full_grads)
+    result = td._train(model, x, target, td.dtensor_full_grads)
     result["local_shape"] = tuple(model.blocks[0].w12.weight.to_local().shape)
     result["placements"] = str(model.blocks[0].w12.weight.placements)
     dcp.save(model.state_dict(), checkpoint_id=case[1])
