@@ -215,11 +215,7 @@ def _vmap_rule(info, in_dims, tensors, modes):
     x, *weights = tensors
     x_dim, *weight_dims = in_dims
     if all(d is None for d in weight_dims):
-        if x_dim is None:
-            x = x.expand(info.batch_size, *x.shape)
-        else:
-            x = x.movedim(x_dim, 0)
-        y, x12 = SwiGLUFunction.apply(x, *weights, *modes)
+        y, x12 = SwiGLUFunction.apply(ops.batch_first(info, x, x_dim), *weights, *modes)
         return (y, x12.view(info.batch_size, -1, x12.shape[-1])), (0, 0)
     members = []
     for i in range(info.batch_size):
@@ -448,8 +444,7 @@ class SiluMulFunction(_LeanApplyFunction):
     @staticmethod
     def vmap(info, in_dims, gate, up):
         # Elementwise: give both the batch dim in front; the rows fold into one launch.
-        batched = [t.expand(info.batch_size, *t.shape) if d is None else t.movedim(d, 0)
-                   for t, d in zip((gate, up), in_dims)]
+        batched = [ops.batch_first(info, t, d) for t, d in zip((gate, up), in_dims)]
         return SiluMulFunction.apply(*batched), 0
 
 

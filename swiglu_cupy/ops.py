@@ -137,10 +137,14 @@ swiglu_forward_op.register_autograd(_swiglu_forward_grad, setup_context=_save_in
 silu_mul_forward_op.register_autograd(_silu_mul_forward_grad, setup_context=_save_inputs)
 
 
+def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
+    """``t`` with its vmap batch (at ``dim``, or none: then broadcast) as dim 0."""
+    return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
 def _rows_with_batch(info, t: torch.Tensor, dim) -> torch.Tensor:
     """[M, C] with a vmap batch at ``dim`` (or none) -> [B * M, C], batch first."""
-    t = t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
-    return t.reshape(-1, t.shape[-1])
+    return batch_first(info, t, dim).reshape(-1, t.shape[-1])
 
 
 def _fold_rows(op, n_out: int):
