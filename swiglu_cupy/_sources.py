@@ -32,6 +32,10 @@ CTYPE_OF_DTYPE = {
     torch.float64: "double",
 }
 SUPPORTED_DTYPES = tuple(CTYPE_OF_DTYPE)
+# GPU architectures the compile check builds for (Ampere, Hopper, Blackwell).
+DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_100")
+# Storage dtypes whose math runs in the storage dtype itself (others widen to fp32).
+FULL_PRECISION_DTYPES = (torch.float32, torch.float64)
 
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]+"([^"]+)"[ \t]*$', re.MULTILINE)
 _PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", re.MULTILINE)

@@ -7,6 +7,8 @@ import argparse
 import sys
 import time
 
+from ._sources import DEFAULT_ARCHS
+
 
 def _cmd_compile(args: argparse.Namespace) -> int:
     from .compile_check import CompileError, compile_matrix, format_table
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile every kernel x dtype with NVRTC (no GPU needed), "
                                           "report registers and spills; exit 1 on spills")
-    comp.add_argument("--arch", nargs="+", default=["sm_80", "sm_90", "sm_100"],
+    comp.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS),
                       help="GPU architectures, e.g. sm_80 sm_90 sm_100")
     comp.set_defaults(func=_cmd_compile)
 

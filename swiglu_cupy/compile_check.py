@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from ._cuda_headers import cuda_include_dirs, missing_header_hint
-from ._sources import SUPPORTED_DTYPES, compile_options, module_source
+from ._sources import DEFAULT_ARCHS, SUPPORTED_DTYPES, compile_options, module_source
 
-DEFAULT_ARCHS = ("sm_80", "sm_90", "sm_100")
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(\w+)'")
 _SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")

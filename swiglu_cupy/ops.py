@@ -12,7 +12,7 @@ by the public API):
   transform: each op has a vmap rule that folds the batch into the rows (one
   launch), and the out-of-place ops have autograd formulas, so an exported
   program stays differentiable;
-- ONNX export gets plain aten math (``reference_torch``), which maps to
+- ONNX export gets plain aten math (``torch_impl``), which maps to
   standard ONNX operators; ``aten_decompositions()`` gives the same to any
   consumer of an ``ExportedProgram`` that needs aten ops only.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import primitives
-from .primitives import reference_torch
+from .primitives import torch_impl
 
 _is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
@@ -172,20 +172,20 @@ def aten_decompositions() -> dict:
     ops = torch.ops.swiglu_cupy
 
     def forward_inplace(x12):
-        _gate_half(x12).copy_(reference_torch.swiglu_forward(x12))
+        _gate_half(x12).copy_(torch_impl.swiglu_forward(x12))
 
     def backward_inplace(x12, dh):
-        dx12, h = reference_torch.swiglu_backward(x12, dh)
+        dx12, h = torch_impl.swiglu_backward(x12, dh)
         x12.copy_(dx12)
         return h
 
     return {
-        ops.swiglu_forward.default: reference_torch.swiglu_forward,
+        ops.swiglu_forward.default: torch_impl.swiglu_forward,
         ops.swiglu_forward_inplace.default: forward_inplace,
-        ops.swiglu_backward.default: reference_torch.swiglu_backward,
+        ops.swiglu_backward.default: torch_impl.swiglu_backward,
         ops.swiglu_backward_inplace.default: backward_inplace,
-        ops.silu_mul_forward.default: reference_torch.silu_mul_forward,
-        ops.silu_mul_backward.default: reference_torch.silu_mul_backward,
+        ops.silu_mul_forward.default: torch_impl.silu_mul_forward,
+        ops.silu_mul_backward.default: torch_impl.silu_mul_backward,
     }
 
 
@@ -201,7 +201,7 @@ def _route(*tensors: torch.Tensor) -> str:
 def forward(x12: torch.Tensor) -> torch.Tensor:
     route = _route(x12)
     if route == "aten":
-        return reference_torch.swiglu_forward(x12)
+        return torch_impl.swiglu_forward(x12)
     return (swiglu_forward_op if route == "op" else _forward)(x12)
 
 
@@ -209,7 +209,7 @@ def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
     """h written over the gate half of x12; returns that strided [M, H] view."""
     route = _route(x12)
     if route == "aten":
-        return reference_torch.swiglu_forward(x12)  # functional: nothing to save there
+        return torch_impl.swiglu_forward(x12)  # functional: nothing to save there
     if route == "op":
         swiglu_forward_inplace_op(x12)
         return _gate_half(x12)
@@ -219,7 +219,7 @@ def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
 def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
     route = _route(x12, dh)
     if route == "aten":
-        return reference_torch.swiglu_backward(x12, dh)
+        return torch_impl.swiglu_backward(x12, dh)
     use_op = route == "op"
     if inplace:
         return x12, (swiglu_backward_inplace_op if use_op else _backward_inplace)(x12, dh)
@@ -229,7 +229,7 @@ def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     route = _route(gate, up)
     if route == "aten":
-        return reference_torch.silu_mul_forward(gate, up)
+        return torch_impl.silu_mul_forward(gate, up)
     return (silu_mul_forward_op if route == "op" else _silu_mul_forward)(gate, up)
 
 
@@ -237,5 +237,5 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     route = _route(gate, up, dh)
     if route == "aten":
-        return reference_torch.silu_mul_backward(gate, up, dh)
+        return torch_impl.silu_mul_backward(gate, up, dh)
     return (silu_mul_backward_op if route == "op" else _silu_mul_backward)(gate, up, dh)

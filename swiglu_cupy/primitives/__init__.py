@@ -35,10 +35,8 @@ from __future__ import annotations
 import torch
 
 from .._launch import cuda_kernels_available
-from .._sources import SUPPORTED_DTYPES
-from . import kernels, reference_torch
-
-_FULL_PRECISION = (torch.float32, torch.float64)
+from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION, SUPPORTED_DTYPES
+from . import kernels, torch_impl
 
 __all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
 
@@ -149,25 +147,25 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
 def run_swiglu_forward(x12, out=None, implementation=None, launcher=None) -> torch.Tensor:
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_forward(x12, out, launcher)
-    return reference_torch.swiglu_forward(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12))
+    return torch_impl.swiglu_forward(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12))
 
 
 def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None):
     if _use_kernels(x12, implementation, launcher):
         return kernels.swiglu_backward(x12, dh, dx12_out, launcher)
-    return reference_torch.swiglu_backward(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
+    return torch_impl.swiglu_backward(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
                                            h_out=_or_new(None, tuple(dh.shape), x12))
 
 
 def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None) -> torch.Tensor:
     if _use_kernels(gate, implementation, launcher):
         return kernels.silu_mul_forward(gate, up, out, launcher)
-    return reference_torch.silu_mul_forward(gate, up, _or_new_if_half(out, gate.shape, gate))
+    return torch_impl.silu_mul_forward(gate, up, _or_new_if_half(out, gate.shape, gate))
 
 
 def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None):
     if _use_kernels(gate, implementation, launcher):
         return kernels.silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
     shape = gate.shape
-    return reference_torch.silu_mul_backward(gate, up, dh, _or_new(dgate_out, shape, gate),
+    return torch_impl.silu_mul_backward(gate, up, dh, _or_new(dgate_out, shape, gate),
                                              _or_new(dup_out, shape, gate))

@@ -1,5 +1,6 @@
-"""CPU implementation of the primitives in torch (also the slow reference for
-the kernels). Same contract and same single-rounding math as kernels_cu/.
+"""The torch implementation of the primitives: the production path for CPU
+(and any non-CUDA) tensors, and what tracers and ONNX export see. Same contract and
+same single-rounding math as kernels_cu/.
 
 Math runs in fp32 (fp64 for float64): half-precision inputs are widened
 once (explicit conversions: torch's mixed-dtype ops cast through slow
@@ -16,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_FULL_PRECISION = (torch.float32, torch.float64)  # storage dtype == math dtype
+from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION
+
 
 # Buffered outputs are computed in blocks of rows of about this many
 # elements, so the math-dtype temporaries of one block stay in cache (on two
