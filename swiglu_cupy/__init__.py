@@ -6,8 +6,9 @@ Layers: ``primitives`` (elementwise forward/backward, CUDA kernels + torch),
 """
 from ._launch import warmup
 from ._version import __version__
-from .interface import (SiluMulFunction, SwiGLUFunction, silu_mul, silu_mul_reference, swiglu,
-                        swiglu_reference, swiglu_unpacked)
+from .api import silu_mul, swiglu, swiglu_unpacked
+from .functions import SiluMulFunction, SwiGLUFunction
+from .reference import silu_mul_reference, swiglu_reference
 from .module import SwiGLU
 
 __all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._sources import SUPPORTED_DTYPES
-from .interface import silu_mul
+from .api import silu_mul
 from .module import SwiGLU
 
 __all__ = ["SwiGLUMLP", "SiluMulMLP", "patch_model", "is_swiglu_mlp"]

@@ -94,3 +94,32 @@ def using_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
         yield config
     finally:
         _current.reset(token)
+
+
+# ---- the launcher: CuPy on a GPU, or a substitute for every primitive call -----------------
+
+_forced_launcher = None
+
+
+def forced_launcher():
+    """The launcher set by ``using_launcher``, or None (CUDA tensors then use CuPy)."""
+    return _forced_launcher
+
+
+@contextlib.contextmanager
+def using_launcher(launcher) -> Iterator[object]:
+    """Route every primitive call, CPU tensors included, through the kernel
+    path with ``launcher`` (an object with ``launch(name, dtype, device, grid,
+    block, args)``, e.g. ``swiglu_cupy.testing.host_exec.HostLauncher``)
+    inside the block: the whole op then runs the ``.cu`` kernels. Process-wide,
+    not per thread, because autograd may run backward on its own threads;
+    meant for tests and harnesses, not for concurrent use."""
+    global _forced_launcher
+    if not callable(getattr(launcher, "launch", None)):
+        raise TypeError(f"launcher must have a launch(name, dtype, device, grid, block, args) method, "
+                        f"got {type(launcher).__name__}")
+    saved, _forced_launcher = _forced_launcher, launcher
+    try:
+        yield launcher
+    finally:
+        _forced_launcher = saved

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .interface import swiglu
+from .api import swiglu
 
 
 def _registered(module: nn.Module, registry: str, name: str):

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 
 from . import primitives
+from ._torch_compat import is_functorch_wrapped as _is_wrapped
 from .primitives import torch_impl
-
-_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def is_transformed(t: torch.Tensor) -> bool:
@@ -45,29 +44,29 @@ def _h_over_gate(x12: torch.Tensor) -> torch.Tensor:
 
 # ---- plain bodies (one implementation each) -------------------------------------------------
 
-def _forward(x12: torch.Tensor) -> torch.Tensor:
+def _swiglu_forward_body(x12: torch.Tensor) -> torch.Tensor:
     return primitives.run_swiglu_forward(x12)
 
 
-def _forward_inplace(x12: torch.Tensor) -> None:
+def _swiglu_forward_inplace_body(x12: torch.Tensor) -> None:
     """Writes h over the gate half of x12 (no-grad path)."""
     _h_over_gate(x12)
 
 
-def _backward(x12: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_body(x12: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return primitives.run_swiglu_backward(x12, dh)
 
 
-def _backward_inplace(x12: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
+def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor) -> torch.Tensor:
     """Writes dx12 over x12 and returns the recomputed h."""
     return primitives.run_swiglu_backward(x12, dh, x12)[1]
 
 
-def _silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _silu_mul_forward_body(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return primitives.run_silu_mul_forward(gate, up)
 
 
-def _silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
+def _silu_mul_backward_body(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     return primitives.run_silu_mul_backward(gate, up, dh)
 
@@ -78,12 +77,12 @@ def _op(name: str, fn, mutates=()):
     return torch.library.custom_op(f"swiglu_cupy::{name}", fn, mutates_args=mutates)
 
 
-swiglu_forward_op = _op("swiglu_forward", _forward)
-swiglu_forward_inplace_op = _op("swiglu_forward_inplace", _forward_inplace, ("x12",))
-swiglu_backward_op = _op("swiglu_backward", _backward)
-swiglu_backward_inplace_op = _op("swiglu_backward_inplace", _backward_inplace, ("x12",))
-silu_mul_forward_op = _op("silu_mul_forward", _silu_mul_forward)
-silu_mul_backward_op = _op("silu_mul_backward", _silu_mul_backward)
+swiglu_forward_op = _op("swiglu_forward", _swiglu_forward_body)
+swiglu_forward_inplace_op = _op("swiglu_forward_inplace", _swiglu_forward_inplace_body, ("x12",))
+swiglu_backward_op = _op("swiglu_backward", _swiglu_backward_body)
+swiglu_backward_inplace_op = _op("swiglu_backward_inplace", _swiglu_backward_inplace_body, ("x12",))
+silu_mul_forward_op = _op("silu_mul_forward", _silu_mul_forward_body)
+silu_mul_backward_op = _op("silu_mul_backward", _silu_mul_backward_body)
 
 
 @swiglu_forward_op.register_fake
@@ -172,20 +171,20 @@ def aten_decompositions() -> dict:
     ops = torch.ops.swiglu_cupy
 
     def forward_inplace(x12):
-        _gate_half(x12).copy_(torch_impl.swiglu_forward(x12))
+        _gate_half(x12).copy_(torch_impl.swiglu_forward_torch(x12))
 
     def backward_inplace(x12, dh):
-        dx12, h = torch_impl.swiglu_backward(x12, dh)
+        dx12, h = torch_impl.swiglu_backward_torch(x12, dh)
         x12.copy_(dx12)
         return h
 
     return {
-        ops.swiglu_forward.default: torch_impl.swiglu_forward,
+        ops.swiglu_forward.default: torch_impl.swiglu_forward_torch,
         ops.swiglu_forward_inplace.default: forward_inplace,
-        ops.swiglu_backward.default: torch_impl.swiglu_backward,
+        ops.swiglu_backward.default: torch_impl.swiglu_backward_torch,
         ops.swiglu_backward_inplace.default: backward_inplace,
-        ops.silu_mul_forward.default: torch_impl.silu_mul_forward,
-        ops.silu_mul_backward.default: torch_impl.silu_mul_backward,
+        ops.silu_mul_forward.default: torch_impl.silu_mul_forward_torch,
+        ops.silu_mul_backward.default: torch_impl.silu_mul_backward_torch,
     }
 
 
@@ -201,15 +200,15 @@ def _route(*tensors: torch.Tensor) -> str:
 def forward(x12: torch.Tensor) -> torch.Tensor:
     route = _route(x12)
     if route == "aten":
-        return torch_impl.swiglu_forward(x12)
-    return (swiglu_forward_op if route == "op" else _forward)(x12)
+        return torch_impl.swiglu_forward_torch(x12)
+    return (swiglu_forward_op if route == "op" else _swiglu_forward_body)(x12)
 
 
 def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
     """h written over the gate half of x12; returns that strided [M, H] view."""
     route = _route(x12)
     if route == "aten":
-        return torch_impl.swiglu_forward(x12)  # functional: nothing to save there
+        return torch_impl.swiglu_forward_torch(x12)  # functional: nothing to save there
     if route == "op":
         swiglu_forward_inplace_op(x12)
         return _gate_half(x12)
@@ -219,23 +218,23 @@ def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
 def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
     route = _route(x12, dh)
     if route == "aten":
-        return torch_impl.swiglu_backward(x12, dh)
+        return torch_impl.swiglu_backward_torch(x12, dh)
     use_op = route == "op"
     if inplace:
-        return x12, (swiglu_backward_inplace_op if use_op else _backward_inplace)(x12, dh)
-    return (swiglu_backward_op if use_op else _backward)(x12, dh)
+        return x12, (swiglu_backward_inplace_op if use_op else _swiglu_backward_inplace_body)(x12, dh)
+    return (swiglu_backward_op if use_op else _swiglu_backward_body)(x12, dh)
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     route = _route(gate, up)
     if route == "aten":
-        return torch_impl.silu_mul_forward(gate, up)
-    return (silu_mul_forward_op if route == "op" else _silu_mul_forward)(gate, up)
+        return torch_impl.silu_mul_forward_torch(gate, up)
+    return (silu_mul_forward_op if route == "op" else _silu_mul_forward_body)(gate, up)
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     route = _route(gate, up, dh)
     if route == "aten":
-        return torch_impl.silu_mul_backward(gate, up, dh)
-    return (silu_mul_backward_op if route == "op" else _silu_mul_backward)(gate, up, dh)
+        return torch_impl.silu_mul_backward_torch(gate, up, dh)
+    return (silu_mul_backward_op if route == "op" else _silu_mul_backward_body)(gate, up, dh)

@@ -64,7 +64,8 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .interface import swiglu
+from ._validation import reject_dtensors
+from .api import swiglu
 from .module import SwiGLU
 
 __all__ = ["SwiGLUTensorParallel", "fsdp_shard_placement", "reject_distributed_weights"]
@@ -80,19 +81,9 @@ def reject_distributed_weights(**weights) -> None:
     sharded by a generic style (``ColwiseParallel`` on ``w12``, an HF
     ``tp_plan``): a contiguous row shard of the packed ``[gate; up]`` puts gate
     rows on some ranks and up rows on others, which no local computation can
-    fix. Plain tensors and parameters cost one type check each.
+    fix. The op's own argument checks run this too.
     """
-    for name, t in weights.items():
-        if t is None or type(t) in (torch.Tensor, nn.Parameter):
-            continue
-        if isinstance(t, DTensor):
-            raise TypeError(
-                f"swiglu_cupy: {name} is a DTensor with placements {tuple(t.placements)}; the fused "
-                "op needs local tensors. A generic tensor-parallel style (ColwiseParallel on w12, "
-                "RowwiseParallel on w3, or a Hugging Face tp_plan) shards the packed [gate; up] w12 "
-                "so that ranks hold gate rows without their up rows. Parallelize the SwiGLU module "
-                "with swiglu_cupy.parallel.SwiGLUTensorParallel instead: "
-                "parallelize_module(mlp, tp_mesh, SwiGLUTensorParallel()).")
+    reject_dtensors(**weights)
 
 
 def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:

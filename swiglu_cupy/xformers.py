@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ._sources import SUPPORTED_DTYPES
-from .interface import swiglu, swiglu_unpacked
+from .api import swiglu, swiglu_unpacked
 
 __all__ = ["SwiGLUPackedFusedOp", "SwiGLUFusedOp", "patch_xformers"]
 

@@ -1,9 +1,7 @@
-import contextlib
-
 import pytest
 import torch
 
-from swiglu_cupy import primitives
+from swiglu_cupy.launch_config import using_launcher
 
 from swiglu_cupy.testing.host_exec import HostLauncher
 
@@ -31,17 +29,10 @@ def host_launcher():
     return launcher
 
 
-@contextlib.contextmanager
 def primitives_on_host_kernels(launcher):
     """Route every primitive call (CPU tensors included) through the kernel
     path with ``launcher``: the whole Function then runs the .cu kernels."""
-    saved = primitives._use_kernels, primitives.kernels.cupy_launcher
-    primitives._use_kernels = lambda *a: True
-    primitives.kernels.cupy_launcher = lambda: launcher
-    try:
-        yield
-    finally:
-        primitives._use_kernels, primitives.kernels.cupy_launcher = saved
+    return using_launcher(launcher)
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -233,7 +233,7 @@ def test_every_launch_candidate_is_correct(host_launcher, config, dtype):
         if cap is not None and label == "wide":
             assert all(cols for _, cols in loops), loops
         # Same config through the explicit keyword of the kernel path.
-        assert torch.equal(kernels.swiglu_forward(x12, None, host_launcher, launch_config=config), h)
+        assert torch.equal(kernels.launch_swiglu_forward(x12, None, host_launcher, launch_config=config), h)
 
 
 @pytest.mark.parametrize("config", [c for c in LAUNCH_CANDIDATES if c.grid_waves == 1])

@@ -88,7 +88,7 @@ def build_module(name: str, D: int, H: int, dtype: torch.dtype, device: torch.de
     if name == "eager_hf":
         return eager_hf()
     if name == "torch_compile":
-        torch._dynamo.reset()  # one compiled module at a time; no recompile limits
+        torch.compiler.reset()  # one compiled module at a time; no recompile limits
         return torch.compile(eager_hf(), dynamic=False)
     if name == "eager_packed":
         with torch.device(device):

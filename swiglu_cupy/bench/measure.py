@@ -308,7 +308,7 @@ def bench_overhead(clock: Clock, settings: Settings, skip, progress) -> dict:
         out["ratio_vs_reference"][mode] = {name: median_ratio(timings, name, RATIO_REFERENCE) for name in timings}
     runners = fns = None
     if "torch_compile" not in skip:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return out
 
 

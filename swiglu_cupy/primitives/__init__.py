@@ -27,7 +27,8 @@ the storage dtype once. Supported dtypes: float16, bfloat16, float32, float64.
 
 CUDA tensors run the kernels in ``kernels_cu/`` (CuPy); other tensors run the
 torch implementation. ``implementation=`` forces one ("torch" or "kernels"),
-``launcher=`` substitutes the kernel launcher (the host-execution harness).
+``launcher=`` (or ``launch_config.using_launcher``) substitutes the kernel
+launcher (the host-execution harness).
 The kernels' launch shape is chosen with ``swiglu_cupy.launch_config``.
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from .._launch import cuda_kernels_available
 from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION, SUPPORTED_DTYPES
+from ..launch_config import forced_launcher
 from . import kernels, torch_impl
 
 __all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
@@ -88,14 +90,19 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
     return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
 
 
-def _use_kernels(x12: torch.Tensor, implementation: str | None, launcher) -> bool:
+def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
+    """The launcher to run the kernels with (None: the CuPy one), or False
+    for the torch implementation."""
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
-    if launcher is not None or implementation == "kernels":
-        return True
     if implementation == "torch":
         return False
-    return x12.is_cuda and cuda_kernels_available()
+    forced = forced_launcher()
+    if launcher is not None or forced is not None:
+        return launcher if launcher is not None else forced
+    if implementation == "kernels" or (x12.is_cuda and cuda_kernels_available()):
+        return None
+    return False
 
 
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -145,27 +152,31 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
 # the checks are a measurable part of a small call's host time.
 
 def run_swiglu_forward(x12, out=None, implementation=None, launcher=None) -> torch.Tensor:
-    if _use_kernels(x12, implementation, launcher):
-        return kernels.swiglu_forward(x12, out, launcher)
-    return torch_impl.swiglu_forward(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12))
+    launcher = _kernel_launcher(x12, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_swiglu_forward(x12, out, launcher)
+    return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12))
 
 
 def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None):
-    if _use_kernels(x12, implementation, launcher):
-        return kernels.swiglu_backward(x12, dh, dx12_out, launcher)
-    return torch_impl.swiglu_backward(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
+    launcher = _kernel_launcher(x12, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher)
+    return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
                                            h_out=_or_new(None, tuple(dh.shape), x12))
 
 
 def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None) -> torch.Tensor:
-    if _use_kernels(gate, implementation, launcher):
-        return kernels.silu_mul_forward(gate, up, out, launcher)
-    return torch_impl.silu_mul_forward(gate, up, _or_new_if_half(out, gate.shape, gate))
+    launcher = _kernel_launcher(gate, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_silu_mul_forward(gate, up, out, launcher)
+    return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate))
 
 
 def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None):
-    if _use_kernels(gate, implementation, launcher):
-        return kernels.silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
+    launcher = _kernel_launcher(gate, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
     shape = gate.shape
-    return torch_impl.silu_mul_backward(gate, up, dh, _or_new(dgate_out, shape, gate),
+    return torch_impl.silu_mul_backward_torch(gate, up, dh, _or_new(dgate_out, shape, gate),
                                              _or_new(dup_out, shape, gate))

@@ -3,8 +3,8 @@ choice and the launch shape, then one call to a launcher (CuPy on a GPU, or
 the host harness in CI). Tensors are passed as raw pointers, never copied
 (except a non-unit inner stride, which the kernels cannot step).
 
-Every primitive reaches the same two kernel kinds through ``_forward`` and
-``_backward``: gate and up are separate pointers with their own row strides,
+Every primitive reaches the same two kernel kinds through ``_launch_forward_kernel``
+and ``_launch_backward_kernel``: gate and up are separate pointers with their own row strides,
 so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:].
 
 The launch shape comes from ``launch_config=`` or, when None, from
@@ -86,7 +86,7 @@ def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: tor
     (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block, args)
 
 
-def _forward(gate, up, h, launcher, config) -> None:
+def _launch_forward_kernel(gate, up, h, launcher, config) -> None:
     """h = silu(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
     M, H = gate.shape
     vec = choose_vector_width(gate.dtype, H, gate, up, h)
@@ -96,7 +96,7 @@ def _forward(gate, up, h, launcher, config) -> None:
     ])
 
 
-def _backward(gate, up, dh, dgate, dup, h, launcher, config) -> None:
+def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config) -> None:
     """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
     M, H = gate.shape
     tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
@@ -118,17 +118,17 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(target)
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
+def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
                      launcher=None, launch_config: LaunchConfig | None = None) -> torch.Tensor:
     gate, up = _rows_view(gate), _rows_view(up)
     h = _empty_rows(gate, gate.shape[1]) if out is None else out
     target = _rows_view(h)
-    _forward(gate, up, target, launcher, launch_config)
+    _launch_forward_kernel(gate, up, target, launcher, launch_config)
     _copy_back(target, h)
     return h
 
 
-def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
                       dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
                       launcher=None, launch_config: LaunchConfig | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,20 +137,20 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
     dgate = _empty_rows(gate, H) if dgate_out is None else dgate_out
     dup = _empty_rows(gate, H) if dup_out is None else dup_out
     dgate_target, dup_target = _rows_view(dgate), _rows_view(dup)
-    _backward(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config)
+    _launch_backward_kernel(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config)
     _copy_back(dgate_target, dgate)
     _copy_back(dup_target, dup)
     return dgate, dup
 
 
-def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
+def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
                    launch_config: LaunchConfig | None = None) -> torch.Tensor:
     x12 = _rows_view(x12)
     H = x12.shape[1] // 2
-    return silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config)
+    return launch_silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config)
 
 
-def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
+def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
                     launcher=None, launch_config: LaunchConfig | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     x12, dh = _rows_view(x12), _rows_view(dh)
@@ -158,6 +158,6 @@ def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor 
     dx12 = torch.empty_like(x12, memory_format=torch.contiguous_format) if dx12_out is None else dx12_out
     target = _rows_view(dx12)
     h = _empty_rows(x12, H)
-    _backward(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher, launch_config)
+    _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher, launch_config)
     _copy_back(target, dx12)
     return dx12, h

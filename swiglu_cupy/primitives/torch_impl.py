@@ -72,7 +72,7 @@ def _forward_math(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None
     return _mul_store(silu, up, gate.dtype, out)
 
 
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_forward_torch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     if out is None:
         return _forward_math(gate, up, None)
     _in_row_blocks(_forward_math, gate, up, out)
@@ -97,7 +97,7 @@ def _backward_math(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool):
     return dgate, dup, h
 
 
-def _backward(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool):
+def _backward_in_blocks(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool):
     """``_backward_math``, in row blocks when every output has a buffer."""
     if dgate_out is None or dup_out is None or (want_h and h_out is None):
         return _backward_math(gate, up, dh, dgate_out, dup_out, h_out, want_h)
@@ -105,23 +105,23 @@ def _backward(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool):
     return dgate_out, dup_out, h_out
 
 
-def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+def silu_mul_backward_torch(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
                       dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None):
-    return _backward(gate, up, dh, dgate_out, dup_out, None, want_h=False)[:2]
+    return _backward_in_blocks(gate, up, dh, dgate_out, dup_out, None, want_h=False)[:2]
 
 
 def _split(x12: torch.Tensor):
     return x12.chunk(2, 1)  # both halves in one call (slicing costs ~1.5 us a view)
 
 
-def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return silu_mul_forward(*_split(x12), out)
+def swiglu_forward_torch(x12: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return silu_mul_forward_torch(*_split(x12), out)
 
 
-def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None,
+def swiglu_backward_torch(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None,
                     h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if dx12_out is None:
-        dgate, dup, h = _backward(*_split(x12), dh, None, None, h_out, want_h=True)
+        dgate, dup, h = _backward_in_blocks(*_split(x12), dh, None, None, h_out, want_h=True)
         return torch.cat([dgate, dup], dim=1), h
-    _backward(*_split(x12), dh, *_split(dx12_out), h_out, want_h=True)
+    _backward_in_blocks(*_split(x12), dh, *_split(dx12_out), h_out, want_h=True)
     return dx12_out, h_out

@@ -1,4 +1,4 @@
-"""Layers 2-3: SwiGLUFunction, swiglu() and the reference, on the CPU path."""
+"""The functional API (api.py): swiglu() and the references on the CPU path, through SwiGLUFunction."""
 import ast
 from pathlib import Path
 

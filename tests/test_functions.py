@@ -1,0 +1,48 @@
+"""functions.py: the apply-only Functions' calling convention."""
+import pytest
+import torch
+
+from swiglu_cupy import SiluMulFunction, SwiGLUFunction
+from swiglu_cupy.reference import swiglu_reference
+
+D, H, O = 16, 24, 8
+
+
+def _packed(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(5, D, generator=gen), torch.randn(2 * H, D, generator=gen) / D ** 0.5,
+            torch.randn(O, H, generator=gen) / H ** 0.5)
+
+
+def test_apply_with_every_argument_matches_the_reference():
+    x, w12, w3 = _packed()
+    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, False, False, False)
+    assert torch.allclose(y, swiglu_reference(x, w12, None, w3, None), rtol=1e-5, atol=1e-6)
+    assert x12.shape == (5, 2 * H)
+
+
+@pytest.mark.parametrize("transform", ["eager", "vmap", "grad"])
+def test_missing_arguments_fail_the_same_way_in_eager_and_under_transforms(transform):
+    """The forward has no defaults, so the lean apply (eager) and torch's own
+    apply (transforms) cannot disagree about a short call."""
+    x, w12, w3 = _packed()
+    short = lambda x: SwiGLUFunction.apply(x, w12, None, None, None, w3, None)[0]  # noqa: E731
+    call = {"eager": short, "vmap": torch.func.vmap(short),
+            "grad": torch.func.grad(lambda x: short(x).sum())}[transform]
+    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 10 positional arguments .*got 7"):
+        call(x)
+
+
+def test_silu_mul_function_checks_its_argument_count_too():
+    with pytest.raises(TypeError, match=r"SiluMulFunction\.apply takes 2 positional arguments"):
+        SiluMulFunction.apply(torch.randn(3))
+
+
+def test_a_function_with_defaults_cannot_use_the_lean_apply():
+    from swiglu_cupy.functions import _LeanApplyFunction
+
+    with pytest.raises(TypeError, match="required positional arguments only"):
+        class WithDefault(_LeanApplyFunction):  # noqa: F841
+            @staticmethod
+            def forward(x, scale=2.0):
+                return x * scale
