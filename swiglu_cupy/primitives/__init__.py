@@ -22,6 +22,12 @@ The x12 primitives run the same kernels with gate = x12[:, :H] and
 up = x12[:, H:] (no copies). The kernels need unit inner stride: other
 layouts are copied to contiguous first (outputs are written back).
 
+``activation=`` (a ``swiglu_cupy.activations.GLUActivation`` or a plain
+form's name, default ``"silu"``) selects the GLU variant: ``h = act(gate) *
+up`` with its clamps, and for x12 its layout (halves or interleaved); the
+backward's ``dgate``/``dup`` are that variant's. Separate gate/up tensors
+take halves-layout specs only.
+
 Math runs in fp32 (fp64 for float64 storage) and every output is rounded to
 the storage dtype once. Supported dtypes: float16, bfloat16, float32, float64.
 
@@ -37,6 +43,7 @@ import torch
 
 from .._launch import cuda_kernels_available
 from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION, SUPPORTED_DTYPES
+from ..activations import SILU, resolve_activation
 from ..launch_config import forced_launcher
 from . import kernels, torch_impl
 
@@ -90,12 +97,12 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
     return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
 
 
-def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
+def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, activation=SILU):
     """The launcher to run the kernels with (None: the CuPy one), or False
     for the torch implementation."""
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
-    if implementation == "torch":
+    if implementation == "torch" or (activation is not SILU and activation != SILU):  # kernels: SiLU only, for now
         return False
     forced = forced_launcher()
     if launcher is not None or forced is not None:
@@ -106,36 +113,36 @@ def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
 
 
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
-                   implementation: str | None = None, launcher=None) -> torch.Tensor:
+                   implementation: str | None = None, launcher=None, activation="silu") -> torch.Tensor:
     H = _check_x12(x12)
     if out is not None:
         _check_like("out", out, (x12.shape[0], H), x12)
-    return run_swiglu_forward(x12, out, implementation, launcher)
+    return run_swiglu_forward(x12, out, implementation, launcher, resolve_activation(activation))
 
 
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
-                    implementation: str | None = None, launcher=None
+                    implementation: str | None = None, launcher=None, activation="silu"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     H = _check_x12(x12)
     _check_like("dh", dh, (x12.shape[0], H), x12)
     if dx12_out is not None:
         _check_like("dx12_out", dx12_out, tuple(x12.shape), x12)
-    return run_swiglu_backward(x12, dh, dx12_out, implementation, launcher)
+    return run_swiglu_backward(x12, dh, dx12_out, implementation, launcher, resolve_activation(activation))
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
-                     implementation: str | None = None, launcher=None) -> torch.Tensor:
+                     implementation: str | None = None, launcher=None, activation="silu") -> torch.Tensor:
     _check_gate(gate)
     shape = tuple(gate.shape)
     _check_like("up", up, shape, gate, "gate")
     if out is not None:
         _check_like("out", out, shape, gate, "gate")
-    return run_silu_mul_forward(gate, up, out, implementation, launcher)
+    return run_silu_mul_forward(gate, up, out, implementation, launcher, _halves_only(activation))
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
                       dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None, *,
-                      implementation: str | None = None, launcher=None
+                      implementation: str | None = None, launcher=None, activation="silu"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_gate(gate)
     shape = tuple(gate.shape)
@@ -144,39 +151,50 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
     for name, t in (("dgate_out", dgate_out), ("dup_out", dup_out)):
         if t is not None:
             _check_like(name, t, shape, gate, "gate")
-    return run_silu_mul_backward(gate, up, dh, dgate_out, dup_out, implementation, launcher)
+    return run_silu_mul_backward(gate, up, dh, dgate_out, dup_out, implementation, launcher,
+                                 _halves_only(activation))
+
+
+def _halves_only(activation):
+    """The spec for primitives on separate gate/up tensors (no packed layout)."""
+    spec = resolve_activation(activation)
+    if spec.interleaved:
+        raise ValueError("activation: interleaved describes a packed x12; gate and up are separate tensors here")
+    return spec
 
 
 # The same four without the argument checks, for callers whose inputs are
 # valid by construction (the Functions, after the API's one validation pass):
 # the checks are a measurable part of a small call's host time.
 
-def run_swiglu_forward(x12, out=None, implementation=None, launcher=None) -> torch.Tensor:
-    launcher = _kernel_launcher(x12, implementation, launcher)
+def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
+    launcher = _kernel_launcher(x12, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_forward(x12, out, launcher)
-    return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12))
+    return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12),
+                                           activation)
 
 
-def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None):
-    launcher = _kernel_launcher(x12, implementation, launcher)
+def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None, activation=SILU):
+    launcher = _kernel_launcher(x12, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher)
     return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
-                                           h_out=_or_new(None, tuple(dh.shape), x12))
+                                            h_out=_or_new(None, tuple(dh.shape), x12), activation=activation)
 
 
-def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None) -> torch.Tensor:
-    launcher = _kernel_launcher(gate, implementation, launcher)
+def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
+    launcher = _kernel_launcher(gate, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_silu_mul_forward(gate, up, out, launcher)
-    return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate))
+    return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate), activation)
 
 
-def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None):
-    launcher = _kernel_launcher(gate, implementation, launcher)
+def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None,
+                          activation=SILU):
+    launcher = _kernel_launcher(gate, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
     shape = gate.shape
     return torch_impl.silu_mul_backward_torch(gate, up, dh, _or_new(dgate_out, shape, gate),
-                                             _or_new(dup_out, shape, gate))
+                                             _or_new(dup_out, shape, gate), activation)

@@ -14,10 +14,13 @@ tensor from functional ops only, which tracers and decompositions require.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION
+from ..activations import SILU, GLUActivation
 
 
 # Buffered outputs are computed in blocks of rows of about this many
@@ -72,7 +75,10 @@ def _forward_math(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None
     return _mul_store(silu, up, gate.dtype, out)
 
 
-def silu_mul_forward_torch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_forward_torch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None,
+                           activation: GLUActivation = SILU) -> torch.Tensor:
+    if activation.kind != "silu" or activation.limit is not None:
+        return _glu_forward_math(gate, up, out, activation)
     if out is None:
         return _forward_math(gate, up, None)
     _in_row_blocks(_forward_math, gate, up, out)
@@ -106,22 +112,113 @@ def _backward_in_blocks(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool):
 
 
 def silu_mul_backward_torch(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
-                      dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None):
+                            dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None,
+                            activation: GLUActivation = SILU):
+    if activation.kind != "silu" or activation.limit is not None:
+        return _glu_backward_math(gate, up, dh, dgate_out, dup_out, None, False, activation)[:2]
     return _backward_in_blocks(gate, up, dh, dgate_out, dup_out, None, want_h=False)[:2]
 
 
-def _split(x12: torch.Tensor):
+# ---- the rest of the GLU family: act(gate) * up with clamps and the OAI form ----------------
+# One generic pass per output (every value is computed before any store, so
+# outputs may alias inputs); plain silu keeps the tuned path above.
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_INV_SQRT_2 = 1.0 / math.sqrt(2.0)
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+
+
+def _act(g: torch.Tensor, spec: GLUActivation, want_grad: bool):
+    """(act(g), act'(g) or None) in g's (math) dtype."""
+    kind = spec.kind
+    if kind in ("silu", "oai"):
+        s = torch.sigmoid(g * spec.alpha if kind == "oai" else g)
+        a = g * s
+        da = s * (1 + (g * spec.alpha if kind == "oai" else g) * (1 - s)) if want_grad else None
+    elif kind == "gelu_tanh":
+        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        t = torch.tanh(inner)
+        a = 0.5 * g * (1 + t)
+        da = (0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+              if want_grad else None)
+    elif kind == "gelu":
+        cdf = 0.5 * (1 + torch.erf(g * _INV_SQRT_2))
+        a = g * cdf
+        da = cdf + g * torch.exp(-0.5 * g * g) * _INV_SQRT_2PI if want_grad else None
+    elif kind == "relu":
+        a = torch.relu(g)
+        da = (g > 0).to(g.dtype) if want_grad else None
+    elif kind == "sigmoid":
+        a = torch.sigmoid(g)
+        da = a * (1 - a) if want_grad else None
+    else:  # identity
+        a = g
+        da = torch.ones_like(g) if want_grad else None
+    return a, da
+
+
+def _clamped(gate: torch.Tensor, up: torch.Tensor, spec: GLUActivation):
+    """(gate, up) widened, clamped, and up shifted by the OAI offset."""
+    g, u = _widen(gate), _widen(up)
+    if spec.limit is not None:
+        g, u = g.clamp(max=spec.limit), u.clamp(min=-spec.limit, max=spec.limit)
+    if spec.up_offset:
+        u = u + spec.up_offset
+    return g, u
+
+
+def _glu_forward_math(gate, up, out, spec: GLUActivation) -> torch.Tensor:
+    g, u = _clamped(gate, up, spec)
+    return _store(_act(g, spec, False)[0] * u, gate.dtype, out)
+
+
+def _glu_backward_math(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool, spec: GLUActivation):
+    dtype = gate.dtype
+    g, u = _clamped(gate, up, spec)
+    d = _widen(dh)
+    a, da = _act(g, spec, True)
+    dup, dgate = d * a, d * u * da
+    if spec.limit is not None:  # torch's clamp passes the gradient where min <= x <= max
+        raw_gate, raw_up = _widen(gate), _widen(up)
+        dgate = dgate * (raw_gate <= spec.limit)
+        dup = dup * ((raw_up >= -spec.limit) & (raw_up <= spec.limit))
+    h = a * u if want_h else None
+    results = (_store(dgate, dtype, dgate_out), _store(dup, dtype, dup_out),
+               None if h is None else _store(h, dtype, h_out))
+    return results
+
+
+def _split(x12: torch.Tensor, activation: GLUActivation = SILU):
+    if activation.interleaved:
+        return x12[:, 0::2], x12[:, 1::2]
     return x12.chunk(2, 1)  # both halves in one call (slicing costs ~1.5 us a view)
 
 
-def swiglu_forward_torch(x12: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return silu_mul_forward_torch(*_split(x12), out)
+def _join(dgate: torch.Tensor, dup: torch.Tensor, activation: GLUActivation) -> torch.Tensor:
+    """[dgate | dup] (or interleaved) as one new [M, 2H] tensor."""
+    if activation.interleaved:
+        return torch.stack([dgate, dup], dim=2).view(dgate.shape[0], -1)
+    return torch.cat([dgate, dup], dim=1)
+
+
+def swiglu_forward_torch(x12: torch.Tensor, out: torch.Tensor | None = None,
+                         activation: GLUActivation = SILU) -> torch.Tensor:
+    return silu_mul_forward_torch(*_split(x12, activation), out, activation)
 
 
 def swiglu_backward_torch(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None,
-                    h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                          h_out: torch.Tensor | None = None, activation: GLUActivation = SILU
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    generic = activation.kind != "silu" or activation.limit is not None
     if dx12_out is None:
-        dgate, dup, h = _backward_in_blocks(*_split(x12), dh, None, None, h_out, want_h=True)
-        return torch.cat([dgate, dup], dim=1), h
-    _backward_in_blocks(*_split(x12), dh, *_split(dx12_out), h_out, want_h=True)
+        if generic:
+            dgate, dup, h = _glu_backward_math(*_split(x12, activation), dh, None, None, h_out, True, activation)
+        else:
+            dgate, dup, h = _backward_in_blocks(*_split(x12, activation), dh, None, None, h_out, want_h=True)
+        return _join(dgate, dup, activation), h
+    if generic:
+        _, _, h = _glu_backward_math(*_split(x12, activation), dh, *_split(dx12_out, activation), h_out, True,
+                                     activation)
+        return dx12_out, h
+    _backward_in_blocks(*_split(x12, activation), dh, *_split(dx12_out, activation), h_out, want_h=True)
     return dx12_out, h_out
