@@ -36,6 +36,9 @@ describes its local rows to ``torch.distributed.checkpoint`` as contiguous
 chunks of the canonical global tensor (the gate chunk at row ``r*H/tp``, the
 up chunk at row ``H + r*H/tp``), so DCP stores the canonical ``[2H, D]`` and
 reshards it on load like any other tensor.
+
+The private torch APIs this relies on (``_StridedShard``, DCP's chunk
+protocol, FSDP2's state) are in :mod:`swiglu_cupy._distributed_compat`.
 """
 from __future__ import annotations
 
@@ -43,16 +46,6 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
@@ -61,16 +54,15 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from . import _distributed_compat as compat
 from .interface import swiglu
 from .module import SwiGLU
 
 __all__ = ["SwiGLUTensorParallel", "fsdp_shard_placement", "reject_distributed_weights"]
 
 # Packed [gate; up] rows split into 2 halves, each sharded over the mesh.
-PACKED_ROWS = _StridedShard(0, split_factor=2)
+PACKED_ROWS = compat.StridedShard(0, split_factor=2)
 
 
 def reject_distributed_weights(**weights) -> None:
@@ -106,8 +98,7 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     for more than 2 data-parallel ranks (and FSDP2 mislabels them for 2);
     along dim 1 the placements are simply ``(Shard(1), _StridedShard(0, 2))``.
     """
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0
-                                          for p in param.placements):
+    if isinstance(param, DTensor) and any(compat.is_strided_shard(p, 0) for p in param.placements):
         return Shard(1)
     return None
 
@@ -120,8 +111,8 @@ def _global_ids(dt: DTensor, dim: int) -> list[int]:
     sharded with the same mesh and the placements that split ``dim`` (no
     communication). Works for any mix of Shard, _StridedShard and Replicate,
     e.g. FSDP2's 2-D (dp, tp) placements."""
-    placements = [type(p)(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) and p.dim == dim
-                  else Shard(0) if isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == dim
+    placements = [compat.StridedShard(0, split_factor=p.split_factor) if compat.is_strided_shard(p, dim)
+                  else Shard(0) if compat.is_plain_shard(p, dim)
                   else Replicate() for p in dt.placements]
     return distribute_tensor(torch.arange(dt.shape[dim]), dt.device_mesh, placements,
                              src_data_rank=None).to_local().tolist()
@@ -146,64 +137,43 @@ def _local_blocks(dt: DTensor) -> list[tuple[tuple[int, ...], int, int]]:
     return blocks
 
 
-class _RowChunkedDTensor(DTensor):
+class _RowChunkedDTensor(compat.RowChunkCheckpointable, DTensor):
     """The same DTensor (same local storage, mesh and placements) that tells
     DCP its local rows are several chunks of the global tensor.
 
     DTensor's own DCP methods assume one contiguous chunk per rank, which a
-    strided shard is not ("overlapping chunks" at save). These three methods
-    are DCP's ``_Checkpointable`` protocol; everything else is plain DTensor
-    (``full_tensor()`` is canonical). DCP writes each chunk from, and reads
-    each chunk into, a row view of the local tensor: loading fills the
-    parameter in place."""
-
-    _blocks: list[tuple[tuple[int, ...], int, int]]
+    strided shard is not ("overlapping chunks" at save). The mixin supplies
+    DCP's protocol from ``_dcp_row_blocks``; everything else is plain DTensor
+    (``full_tensor()`` is canonical)."""
 
     @staticmethod
     def wrap(dt: DTensor) -> _RowChunkedDTensor:
-        out = _RowChunkedDTensor(dt.to_local().detach(), dt._spec, requires_grad=False)
-        out._blocks = _local_blocks(dt)
+        out = compat.rewrap_dtensor(_RowChunkedDTensor, dt, dt.to_local().detach())
+        out._dcp_row_blocks = _local_blocks(dt)
         return out
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model.state_dict())
-        out = _RowChunkedDTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=False)
-        out._blocks = list(self._blocks)
+        out = compat.rewrap_dtensor(_RowChunkedDTensor, self, copy.deepcopy(self._dcp_local(), memo))
+        out._dcp_row_blocks = list(self._dcp_row_blocks)
         return out
 
-    def _chunk(self, offsets: tuple[int, ...], n_rows: int) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                    sizes=torch.Size((n_rows, *self._local_tensor.shape[1:])))
 
-    def __create_write_items__(self, fqn, object):
-        properties = TensorProperties.create_from_tensor(self._local_tensor)
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()))
-                for chunk in self.__create_chunk_list__()]
-
-    def __create_chunk_list__(self):
-        return [self._chunk(offsets, n) for offsets, _, n in self._blocks]
-
-    def __get_tensor_shard__(self, index):
-        for offsets, local_row, n in self._blocks:
-            if index.offset is not None and tuple(index.offset) == offsets:
-                return self._local_tensor.narrow(0, local_row, n)
-        raise ValueError(f"no local chunk of {index.fqn} starts at {index.offset}; "
-                         f"local blocks {self._blocks}")
+_FSDP_DIM0_FIX = ("Pass shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement to fully_shard: it "
+                  "shards the packed weight along dim 1 instead.")
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     value = state_dict.get(prefix + "w12.weight")
     if not isinstance(value, DTensor) or isinstance(value, _RowChunkedDTensor):
         return
-    strided = [p for p in value.placements if isinstance(p, _StridedShard)]
+    strided = [p for p in value.placements if compat.is_strided_shard(p)]
     if len(strided) > 1:
         # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard:
         # the data is right, but no DTensor placement describes it.
         raise ValueError(
             f"{prefix}w12.weight was sharded by FSDP2 along dim 0 on top of SwiGLUTensorParallel "
             f"(placements {tuple(value.placements)}), so its full_tensor() and state_dict would be "
-            "permuted. Pass shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement to "
-            "fully_shard: it shards the packed weight along dim 1 instead.")
+            f"permuted. {_FSDP_DIM0_FIX}")
     if strided:
         state_dict[prefix + "w12.weight"] = _RowChunkedDTensor.wrap(value)
 
@@ -276,7 +246,7 @@ def _tensor_parallel_class(cls: type) -> type:
     return _TP_CLASSES[cls]
 
 
-class SwiGLUTensorParallel(ParallelStyle):
+class SwiGLUTensorParallel(compat.TensorParallelStyle):
     """Tensor-parallel style for a :class:`~swiglu_cupy.SwiGLU` (or a subclass
     such as :class:`~swiglu_cupy.hf.SwiGLUMLP`), on a 1-D device mesh.
 
@@ -305,7 +275,7 @@ class SwiGLUTensorParallel(ParallelStyle):
         return (f"SwiGLUTensorParallel(sequence_parallel={self.sequence_parallel}, "
                 f"sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})")
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def parallelize(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, SwiGLU):
             raise TypeError(f"SwiGLUTensorParallel applies to a swiglu_cupy.SwiGLU, got "
                             f"{type(module).__name__}")
