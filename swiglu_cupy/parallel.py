@@ -22,7 +22,9 @@ Sharding over a 1-D mesh of size ``tp`` (H = hidden_features, H % tp == 0):
 - ``w3.bias``: replicated, added once, after the reduction.
 
 With FSDP2 on top (2-D), pass ``shard_placement_fn=fsdp_shard_placement`` to
-``fully_shard``.
+``fully_shard``. Without it, FSDP2 splits ``w12.weight`` along dim 0 into
+pieces that it labels with a wrong layout, so the first (eager) forward
+raises a ``ValueError`` that names the fix.
 
 Forward runs the fused op on the local shards (no weight copies; only the
 2H/tp bias values are gathered): the input
@@ -43,6 +45,7 @@ protocol, FSDP2's state) are in :mod:`swiglu_cupy._distributed_compat`.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -168,8 +171,9 @@ def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
         return
     strided = [p for p in value.placements if compat.is_strided_shard(p)]
     if len(strided) > 1:
-        # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard:
-        # the data is right, but no DTensor placement describes it.
+        # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard
+        # (before the first forward, which would have refused it): the data is
+        # right, but no DTensor placement describes it.
         raise ValueError(
             f"{prefix}w12.weight was sharded by FSDP2 along dim 0 on top of SwiGLUTensorParallel "
             f"(placements {tuple(value.placements)}), so its full_tensor() and state_dict would be "
@@ -196,11 +200,42 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
 # ----------------------------------------------------------------------------
 # the style
 
+def _check_fsdp_layout(module) -> None:
+    """Refuse, at the first forward under FSDP2, a packed ``w12.weight``
+    that ``fully_shard`` split along dim 0 (its default).
+
+    Training would run, but the split cuts each rank's ``[gate_r; up_r]``
+    into pieces that FSDP2 labels with a DTensor layout they do not have:
+    ``full_tensor()`` of the weight and of its gradient, and the state dict,
+    would come out permuted. In forward FSDP2 has swapped in the unsharded
+    parameter, so the placement it chose is read from its state. Runs until
+    FSDP2 manages the module (it may be applied after a first forward), then
+    once."""
+    if not compat.fsdp_managed(module.w12):
+        return
+    try:
+        placement = compat.fsdp_shard_placement_of(module.w12, "weight")
+    except (AttributeError, ImportError) as e:  # FSDP2's internals changed
+        warnings.warn(f"swiglu_cupy could not read FSDP2's sharding of w12.weight on torch "
+                      f"{torch.__version__} ({e!r}); check that fully_shard got "
+                      "shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement", stacklevel=3)
+        placement = None
+    if placement is not None and placement.dim == 0 and module._tp_mesh.size() > 1:
+        raise ValueError(
+            "swiglu_cupy: fully_shard sharded the packed w12.weight of a SwiGLUTensorParallel block "
+            "along dim 0 (its default), which cuts each rank's [gate_r; up_r] rows into pieces that "
+            "no DTensor layout describes: full_tensor() of the weight and its gradient, and the "
+            f"state dict, would be permuted. {_FSDP_DIM0_FIX}")
+    module._tp_fsdp_checked = True
+
+
 class _TensorParallelForward:
     """Mixed into the SwiGLU's class by :class:`SwiGLUTensorParallel` (as
     FSDP2 does with its own class): the forward on local shards."""
 
     def forward(self, x):
+        if not self._tp_fsdp_checked and not torch.compiler.is_compiling():
+            _check_fsdp_layout(self)
         mesh, seq_dim = self._tp_mesh, self._tp_sequence_dim
         if seq_dim is not None:
             dim = seq_dim + x.dim() if seq_dim < 0 else seq_dim
@@ -308,6 +343,7 @@ class SwiGLUTensorParallel(compat.TensorParallelStyle):
         module._tp_up_rows = slice(H + rank * rows, H + (rank + 1) * rows)
         module._tp_sequence_dim = self.sequence_dim if self.sequence_parallel else None
         module._tp_use_local_output = self.use_local_output
+        module._tp_fsdp_checked = False
         module.__class__ = _tensor_parallel_class(type(module))
         module.register_state_dict_post_hook(_state_dict_hook)
         module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
