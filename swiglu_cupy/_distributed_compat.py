@@ -19,7 +19,9 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 # Rows split into `split_factor` equal blocks, each block sharded over the mesh
 # dim. If changed: this import fails, or full_tensor() of a TP w12 stops being
-# the canonical [gate; up] (tests: strided shard layout).
+# the canonical [gate; up] (tests: strided shard layout). torch 2.11 shards and
+# computes with it, but its redistribute (full_tensor()) raises ValueError for
+# a 1-D _StridedShard; torch 2.13 gathers it.
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard
 
 __all__ = ["StridedShard", "is_plain_shard", "is_strided_shard", "rewrap_dtensor", "TensorParallelStyle",
