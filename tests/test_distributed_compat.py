@@ -53,6 +53,7 @@ class _Chunked(compat.RowChunkCheckpointable, torch.Tensor):
         return super().__get_tensor_shard__(index)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_dcp_checkpointable_protocol(tmp_path):
     """dcp.save asks the object for its chunks and data, dcp.load asks it
     where to read each chunk into: the file holds the global row order,
