@@ -80,6 +80,8 @@ def main():
     model = Model(args.dim, args.hidden, args.blocks).to(device)
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], SwiGLUTensorParallel())  # raises if tp does not divide H
+        # without shard_placement_fn, the first forward raises: FSDP2's default
+        # dim-0 split of the packed w12 would make full_tensor() permuted
         fully_shard(block, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
     fully_shard(model, mesh=mesh["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

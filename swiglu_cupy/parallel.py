@@ -22,7 +22,9 @@ Sharding over a 1-D mesh of size ``tp`` (H = hidden_features, H % tp == 0):
 - ``w3.bias``: replicated, added once, after the reduction.
 
 With FSDP2 on top (2-D), pass ``shard_placement_fn=fsdp_shard_placement`` to
-``fully_shard``.
+``fully_shard``. Without it, FSDP2 splits ``w12.weight`` along dim 0 into
+pieces that it labels with a wrong layout, so the first (eager) forward
+raises a ``ValueError`` that names the fix.
 
 Forward runs the fused op on the local shards (no weight copies; only the
 2H/tp bias values are gathered): the input
@@ -36,23 +38,17 @@ describes its local rows to ``torch.distributed.checkpoint`` as contiguous
 chunks of the canonical global tensor (the gate chunk at row ``r*H/tp``, the
 up chunk at row ``H + r*H/tp``), so DCP stores the canonical ``[2H, D]`` and
 reshards it on load like any other tensor.
+
+The private torch APIs this relies on (``_StridedShard``, DCP's chunk
+protocol, FSDP2's state) are in :mod:`swiglu_cupy._distributed_compat`.
 """
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
     DTensor,
@@ -61,9 +57,8 @@ from torch.distributed.tensor import (
     Shard,
     distribute_tensor,
 )
-from torch.distributed.tensor.parallel import ParallelStyle
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from . import _distributed_compat as compat
 from ._validation import reject_dtensors
 from .api import swiglu
 from .module import SwiGLU
@@ -71,7 +66,7 @@ from .module import SwiGLU
 __all__ = ["SwiGLUTensorParallel", "fsdp_shard_placement", "reject_distributed_weights"]
 
 # Packed [gate; up] rows split into 2 halves, each sharded over the mesh.
-PACKED_ROWS = _StridedShard(0, split_factor=2)
+PACKED_ROWS = compat.StridedShard(0, split_factor=2)
 
 
 def reject_distributed_weights(**weights) -> None:
@@ -97,8 +92,7 @@ def fsdp_shard_placement(param: nn.Parameter) -> Shard | None:
     for more than 2 data-parallel ranks (and FSDP2 mislabels them for 2);
     along dim 1 the placements are simply ``(Shard(1), _StridedShard(0, 2))``.
     """
-    if isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0
-                                          for p in param.placements):
+    if isinstance(param, DTensor) and any(compat.is_strided_shard(p, 0) for p in param.placements):
         return Shard(1)
     return None
 
@@ -111,8 +105,8 @@ def _global_ids(dt: DTensor, dim: int) -> list[int]:
     sharded with the same mesh and the placements that split ``dim`` (no
     communication). Works for any mix of Shard, _StridedShard and Replicate,
     e.g. FSDP2's 2-D (dp, tp) placements."""
-    placements = [type(p)(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) and p.dim == dim
-                  else Shard(0) if isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim == dim
+    placements = [compat.StridedShard(0, split_factor=p.split_factor) if compat.is_strided_shard(p, dim)
+                  else Shard(0) if compat.is_plain_shard(p, dim)
                   else Replicate() for p in dt.placements]
     return distribute_tensor(torch.arange(dt.shape[dim]), dt.device_mesh, placements,
                              src_data_rank=None).to_local().tolist()
@@ -137,64 +131,44 @@ def _local_blocks(dt: DTensor) -> list[tuple[tuple[int, ...], int, int]]:
     return blocks
 
 
-class _RowChunkedDTensor(DTensor):
+class _RowChunkedDTensor(compat.RowChunkCheckpointable, DTensor):
     """The same DTensor (same local storage, mesh and placements) that tells
     DCP its local rows are several chunks of the global tensor.
 
     DTensor's own DCP methods assume one contiguous chunk per rank, which a
-    strided shard is not ("overlapping chunks" at save). These three methods
-    are DCP's ``_Checkpointable`` protocol; everything else is plain DTensor
-    (``full_tensor()`` is canonical). DCP writes each chunk from, and reads
-    each chunk into, a row view of the local tensor: loading fills the
-    parameter in place."""
-
-    _blocks: list[tuple[tuple[int, ...], int, int]]
+    strided shard is not ("overlapping chunks" at save). The mixin supplies
+    DCP's protocol from ``_dcp_row_blocks``; everything else is plain DTensor
+    (``full_tensor()`` is canonical)."""
 
     @staticmethod
     def wrap(dt: DTensor) -> _RowChunkedDTensor:
-        out = _RowChunkedDTensor(dt.to_local().detach(), dt._spec, requires_grad=False)
-        out._blocks = _local_blocks(dt)
+        out = compat.rewrap_dtensor(_RowChunkedDTensor, dt, dt.to_local().detach())
+        out._dcp_row_blocks = _local_blocks(dt)
         return out
 
     def __deepcopy__(self, memo):  # copy.deepcopy(model.state_dict())
-        out = _RowChunkedDTensor(copy.deepcopy(self._local_tensor, memo), self._spec, requires_grad=False)
-        out._blocks = list(self._blocks)
+        out = compat.rewrap_dtensor(_RowChunkedDTensor, self, copy.deepcopy(self._dcp_local(), memo))
+        out._dcp_row_blocks = list(self._dcp_row_blocks)
         return out
 
-    def _chunk(self, offsets: tuple[int, ...], n_rows: int) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                    sizes=torch.Size((n_rows, *self._local_tensor.shape[1:])))
 
-    def __create_write_items__(self, fqn, object):
-        properties = TensorProperties.create_from_tensor(self._local_tensor)
-        return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.size()))
-                for chunk in self.__create_chunk_list__()]
-
-    def __create_chunk_list__(self):
-        return [self._chunk(offsets, n) for offsets, _, n in self._blocks]
-
-    def __get_tensor_shard__(self, index):
-        for offsets, local_row, n in self._blocks:
-            if index.offset is not None and tuple(index.offset) == offsets:
-                return self._local_tensor.narrow(0, local_row, n)
-        raise ValueError(f"no local chunk of {index.fqn} starts at {index.offset}; "
-                         f"local blocks {self._blocks}")
+_FSDP_DIM0_FIX = ("Pass shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement to fully_shard: it "
+                  "shards the packed weight along dim 1 instead.")
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     value = state_dict.get(prefix + "w12.weight")
     if not isinstance(value, DTensor) or isinstance(value, _RowChunkedDTensor):
         return
-    strided = [p for p in value.placements if isinstance(p, _StridedShard)]
+    strided = [p for p in value.placements if compat.is_strided_shard(p)]
     if len(strided) > 1:
-        # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard:
-        # the data is right, but no DTensor placement describes it.
+        # fully_shard's default dim-0 shard of a packed [gate_r; up_r] shard
+        # (before the first forward, which would have refused it): the data is
+        # right, but no DTensor placement describes it.
         raise ValueError(
             f"{prefix}w12.weight was sharded by FSDP2 along dim 0 on top of SwiGLUTensorParallel "
             f"(placements {tuple(value.placements)}), so its full_tensor() and state_dict would be "
-            "permuted. Pass shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement to "
-            "fully_shard: it shards the packed weight along dim 1 instead.")
+            f"permuted. {_FSDP_DIM0_FIX}")
     if strided:
         state_dict[prefix + "w12.weight"] = _RowChunkedDTensor.wrap(value)
 
@@ -217,11 +191,42 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
 # ----------------------------------------------------------------------------
 # the style
 
+def _check_fsdp_layout(module) -> None:
+    """Refuse, at the first forward under FSDP2, a packed ``w12.weight``
+    that ``fully_shard`` split along dim 0 (its default).
+
+    Training would run, but the split cuts each rank's ``[gate_r; up_r]``
+    into pieces that FSDP2 labels with a DTensor layout they do not have:
+    ``full_tensor()`` of the weight and of its gradient, and the state dict,
+    would come out permuted. In forward FSDP2 has swapped in the unsharded
+    parameter, so the placement it chose is read from its state. Runs until
+    FSDP2 manages the module (it may be applied after a first forward), then
+    once."""
+    if not compat.fsdp_managed(module.w12):
+        return
+    try:
+        placement = compat.fsdp_shard_placement_of(module.w12, "weight")
+    except (AttributeError, ImportError) as e:  # FSDP2's internals changed
+        warnings.warn(f"swiglu_cupy could not read FSDP2's sharding of w12.weight on torch "
+                      f"{torch.__version__} ({e!r}); check that fully_shard got "
+                      "shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement", stacklevel=3)
+        placement = None
+    if placement is not None and placement.dim == 0 and module._tp_mesh.size() > 1:
+        raise ValueError(
+            "swiglu_cupy: fully_shard sharded the packed w12.weight of a SwiGLUTensorParallel block "
+            "along dim 0 (its default), which cuts each rank's [gate_r; up_r] rows into pieces that "
+            "no DTensor layout describes: full_tensor() of the weight and its gradient, and the "
+            f"state dict, would be permuted. {_FSDP_DIM0_FIX}")
+    module._tp_fsdp_checked = True
+
+
 class _TensorParallelForward:
     """Mixed into the SwiGLU's class by :class:`SwiGLUTensorParallel` (as
     FSDP2 does with its own class): the forward on local shards."""
 
     def forward(self, x):
+        if not self._tp_fsdp_checked and not torch.compiler.is_compiling():
+            _check_fsdp_layout(self)
         mesh, seq_dim = self._tp_mesh, self._tp_sequence_dim
         if seq_dim is not None:
             dim = seq_dim + x.dim() if seq_dim < 0 else seq_dim
@@ -267,7 +272,7 @@ def _tensor_parallel_class(cls: type) -> type:
     return _TP_CLASSES[cls]
 
 
-class SwiGLUTensorParallel(ParallelStyle):
+class SwiGLUTensorParallel(compat.TensorParallelStyle):
     """Tensor-parallel style for a :class:`~swiglu_cupy.SwiGLU` (or a subclass
     such as :class:`~swiglu_cupy.hf.SwiGLUMLP`), on a 1-D device mesh.
 
@@ -296,7 +301,7 @@ class SwiGLUTensorParallel(ParallelStyle):
         return (f"SwiGLUTensorParallel(sequence_parallel={self.sequence_parallel}, "
                 f"sequence_dim={self.sequence_dim}, use_local_output={self.use_local_output})")
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def parallelize(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, SwiGLU):
             raise TypeError(f"SwiGLUTensorParallel applies to a swiglu_cupy.SwiGLU, got "
                             f"{type(module).__name__}")
@@ -329,6 +334,7 @@ class SwiGLUTensorParallel(ParallelStyle):
         module._tp_up_rows = slice(H + rank * rows, H + (rank + 1) * rows)
         module._tp_sequence_dim = self.sequence_dim if self.sequence_parallel else None
         module._tp_use_local_output = self.use_local_output
+        module._tp_fsdp_checked = False
         module.__class__ = _tensor_parallel_class(type(module))
         module.register_state_dict_post_hook(_state_dict_hook)
         module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)

@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import rank_launcher
@@ -80,12 +81,14 @@ def _mesh(world):
     return init_device_mesh(DEVICE.type, (world,))
 
 
-def _run_tp_block(block, x, dy):
-    """Forward + backward of a parallelized block on this rank's x / dy."""
+def _run_tp_block(block, x, dy, prefix="_orig_mod."):
+    """Forward + backward of a parallelized block on this rank's x / dy.
+    ``prefix`` is dropped from the parameter names (a compiled block's, or the
+    block's name inside a wrapper)."""
     x = x.clone().requires_grad_()
     y = block(x)
     (y * dy).sum().backward()
-    params = {n.removeprefix("_orig_mod."): p for n, p in block.named_parameters()}  # compiled
+    params = {n.removeprefix(prefix): p for n, p in block.named_parameters()}
     return {"out": y.detach().cpu(), "dx": x.grad.cpu(), "is_view": y._is_view(),
             "grads": {n: p.grad.full_tensor().cpu().clone() for n, p in params.items()},
             "grad_placements": {n: str(p.grad.placements) for n, p in params.items()}}
@@ -290,11 +293,60 @@ def _case_2d(case, rank, world):
     dcp.save(model.state_dict(), checkpoint_id=case[1])
     result["full_after"] = _full_params(model)
     # without fsdp_shard_placement, FSDP2 shards [gate_r; up_r] along dim 0
-    # into pieces no DTensor layout describes: state_dict refuses
+    # into pieces no DTensor layout describes: state_dict refuses, even before
+    # the first forward (which refuses too: the "2d_plain" case)
     wrong = parallelize_module(build_block(), mesh["tp"], SwiGLUTensorParallel())
     fully_shard(wrong, mesh=mesh["dp"])
     result["default_fsdp_error"] = _error_text(wrong.state_dict)
     return result
+
+
+def _case_2d_plain(rank, world):
+    """torch's plain fully_shard (FSDP2's default dim-0 split) on top of
+    SwiGLUTensorParallel, mesh (dp=2, tp=2): the first forward refuses it,
+    however FSDP2 got the parameter (the block itself, only an ancestor,
+    both, an explicit Shard(0), FSDP2 applied after a TP forward, no_grad).
+    What works: the fix on an ancestor, and plain fully_shard when tp=1
+    (then each rank's rows are one contiguous run of [gate; up])."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(DEVICE.type, (world // TP, TP), mesh_dim_names=("dp", "tp"))
+    x, dy = block_data()  # the same batch on every rank: FSDP2's mean over dp is the one-process grad
+
+    def tp_block():
+        return parallelize_module(build_block(), mesh["tp"], SwiGLUTensorParallel())
+
+    def sharded(how):
+        block = tp_block()
+        if how == "after_tp_forward":
+            block(x)  # TP alone is fine; FSDP2 comes later
+        root = torch.nn.Sequential(block)
+        if how in ("block", "block_and_root", "after_tp_forward", "no_grad"):
+            fully_shard(block, mesh=mesh["dp"])
+        if how == "explicit_dim0":
+            fully_shard(block, mesh=mesh["dp"], shard_placement_fn=lambda p: Shard(0))
+        if how in ("root", "block_and_root"):
+            fully_shard(root, mesh=mesh["dp"])
+        return root if how in ("root", "block_and_root") else block
+
+    def first_forward(how):
+        module = sharded(how)
+        if how == "no_grad":
+            with torch.no_grad():
+                return _error_text(lambda: module(x))
+        return _error_text(lambda: module(x))
+
+    res = {"errors": {how: first_forward(how) for how in
+                      ("block", "root", "block_and_root", "explicit_dim0", "after_tp_forward", "no_grad")}}
+    fixed = torch.nn.Sequential(tp_block())
+    fully_shard(fixed, mesh=mesh["dp"], shard_placement_fn=fsdp_shard_placement)
+    res["root_with_fix"] = _run_tp_block(fixed, x, dy, prefix="0.")
+    mesh_tp1 = init_device_mesh(DEVICE.type, (world, 1), mesh_dim_names=("dp", "tp"))
+    tp1 = parallelize_module(build_block(), mesh_tp1["tp"], SwiGLUTensorParallel())
+    fully_shard(tp1, mesh=mesh_tp1["dp"])
+    res["tp1_plain"] = _run_tp_block(tp1, x, dy)
+    res["tp1_plain"]["state_full"] = {k: v.full_tensor().cpu() for k, v in tp1.state_dict().items()}
+    return res
 
 
 def run_case(case, rank, world):
@@ -309,6 +361,8 @@ def run_case(case, rank, world):
         return _case_dcp(case, rank, world)
     if name == "2d":
         return _case_2d(case, rank, world)
+    if name == "2d_plain":
+        return _case_2d_plain(rank, world)
     raise ValueError(case)
 
 
@@ -490,6 +544,25 @@ def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
     assert sorted(state) == sorted(ref["final"])
     for name, p in results[0]["full_after"].items():
         assert torch.equal(state[name], p), name
+
+
+def test_plain_fully_shard_on_tensor_parallel_refuses_at_first_forward(tmp_path, monkeypatch):
+    """4 ranks, mesh (dp=2, tp=2): FSDP2's default dim-0 split of the packed
+    w12 would make full_tensor(), grads and state_dict permuted, so the first
+    forward raises a ValueError that names fsdp_shard_placement, whichever
+    module fully_shard got. The fix on an ancestor, and plain fully_shard at
+    tp=1, match one process."""
+    results = launch("2d_plain", tmp_path, monkeypatch, world=4)
+    ref = reference()
+    for res in results:
+        for how, error in res["errors"].items():
+            assert error.startswith("ValueError"), (how, error)
+            assert "shard_placement_fn=swiglu_cupy.parallel.fsdp_shard_placement" in error, (how, error)
+            assert "w12.weight" in error and "dim 0" in error, (how, error)
+        assert_block_matches(res["root_with_fix"], ref)
+        assert_block_matches(res["tp1_plain"], ref)
+        for name, p in ref["params"].items():
+            assert torch.equal(res["tp1_plain"]["state_full"][name], p), name
 
 
 @pytest.mark.gpu
