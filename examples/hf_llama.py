@@ -2,7 +2,7 @@
 few steps with and without swiglu_cupy's fused MLPs: speed, memory, losses.
 
     pip install -e ".[hf]"            # plus [cuda12] or [cuda13] on a GPU
-    python examples/hf_llama.py [--steps 10] [--checkpointing] [--cpu]
+    python examples/hf_llama.py [--steps 10] [--checkpointing] [--cpu] [--order before]
 
 Runs on CUDA when available (bfloat16), else on the CPU (float32, a smaller
 model). Nothing is downloaded.
@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import swiglu_cupy as sc
 from swiglu_cupy._launch import cuda_kernels_available
-from swiglu_cupy.hf import patch_model
+from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_model, unapply
 
 
 def build(device: str) -> LlamaForCausalLM:
@@ -68,20 +68,31 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--checkpointing", action="store_true", help="HF gradient checkpointing")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even if CUDA is there")
+    parser.add_argument("--order", choices=["after", "before"], default="after",
+                        help="patch the built model (after) or the Llama classes before building it (before)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     path = ("CUDA kernels (CuPy)" if device == "cuda" and cuda_kernels_available()
             else f"torch implementation on {device}")
     unpatched = build(device)
-    patched = copy.deepcopy(unpatched)
-    n = patch_model(patched, strict=True)
+    if args.order == "after":
+        patched = copy.deepcopy(unpatched)
+        n = patch_model(patched, strict=True)
+    else:
+        apply_to("llama")  # LlamaMLP is now the fused subclass: the model is built fused
+        try:
+            patched = build(device)  # same seed: same weights
+        finally:
+            unapply("llama")
+        n = sum(isinstance(m, SwiGLUMLP) for m in patched.modules())
     batch, seq = (8, 512) if device == "cuda" else (4, 128)
     # Learnable synthetic data: each row repeats a random 16-token phrase.
     gen = torch.Generator().manual_seed(0)
     vocab = unpatched.config.vocab_size
     batches = [torch.randint(0, vocab, (batch, 16), generator=gen).repeat(1, seq // 16).to(device)
                for _ in range(args.steps)]
-    print(f"swiglu-cupy {sc.__version__}, transformers Llama with {n} MLPs patched; device {device}, "
+    print(f"swiglu-cupy {sc.__version__}, transformers Llama with {n} MLPs patched ({args.order} "
+          f"building); device {device}, "
           f"dtype {unpatched.dtype}, batch {batch}x{seq}, elementwise path: {path}")
 
     results = {}

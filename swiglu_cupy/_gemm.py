@@ -59,9 +59,13 @@ def down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, is_functional: bool) 
 
 
 def input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
-    """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation)."""
+    """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation,
+    except in 16-bit dtypes: there the sum of two GEMMs rounds dx twice, so one
+    GEMM reads a transient [w1; w2] and dx is rounded once, as with packed weights)."""
     D = w1.shape[1]
     H = dx12.shape[1] // 2
+    if w2 is not None and dx12.dtype in (torch.float16, torch.bfloat16):
+        w1, w2 = torch.cat([w1, w2]), None
     if functional(dx12):
         dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
         return dx.view(x_shape)

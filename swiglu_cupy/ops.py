@@ -13,7 +13,9 @@ by the public API):
   launch), and the out-of-place ops have autograd formulas, so an exported
   program stays differentiable;
 - ONNX export gets plain aten math (``torch_impl``), which maps to
-  standard ONNX operators; ``aten_decompositions()`` gives the same to any
+  standard ONNX operators: traced directly (``torch.onnx.export(model)``), or
+  through torch's decomposition table when an ``ExportedProgram`` is exported
+  (``torch.onnx.export(ep)``); ``aten_decompositions()`` gives the same to any
   consumer of an ``ExportedProgram`` that needs aten ops only.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from . import primitives
 from ._torch_compat import is_functorch_wrapped as _is_wrapped
+from ._torch_compat import register_global_decomposition
 from .primitives import torch_impl
 
 
@@ -163,6 +166,17 @@ silu_mul_forward_op.register_vmap(_fold_rows(silu_mul_forward_op, 1))
 silu_mul_backward_op.register_vmap(_fold_rows(silu_mul_backward_op, 2))
 
 
+def _functional_aten() -> dict:
+    """``{functional op: its torch implementation}`` (same math, same single rounding)."""
+    ops = torch.ops.swiglu_cupy
+    return {
+        ops.swiglu_forward.default: torch_impl.swiglu_forward_torch,
+        ops.swiglu_backward.default: torch_impl.swiglu_backward_torch,
+        ops.silu_mul_forward.default: torch_impl.silu_mul_forward_torch,
+        ops.silu_mul_backward.default: torch_impl.silu_mul_backward_torch,
+    }
+
+
 def aten_decompositions() -> dict:
     """``{op: aten implementation}`` for every op above, for
     ``ExportedProgram.run_decompositions(table)`` when a consumer needs plain
@@ -179,13 +193,19 @@ def aten_decompositions() -> dict:
         return h
 
     return {
-        ops.swiglu_forward.default: torch_impl.swiglu_forward_torch,
+        **_functional_aten(),
         ops.swiglu_forward_inplace.default: forward_inplace,
-        ops.swiglu_backward.default: torch_impl.swiglu_backward_torch,
         ops.swiglu_backward_inplace.default: backward_inplace,
-        ops.silu_mul_forward.default: torch_impl.silu_mul_forward_torch,
-        ops.silu_mul_backward.default: torch_impl.silu_mul_backward_torch,
     }
+
+
+# torch.onnx.export(exported_program) has no ONNX translation for our ops; it
+# decomposes every op that torch's global decomposition table holds, so the
+# functional ops are registered there (exported programs hold no in-place op:
+# see forward_inplace). torch.export's default decompositions and Inductor's
+# table are separate lists: they keep our ops (and our kernels).
+for _overload, _aten in _functional_aten().items():
+    register_global_decomposition(_overload, _aten)
 
 
 # ---- dispatch: plain function, registered op, or aten math ----------------------------------
@@ -210,6 +230,12 @@ def forward_inplace(x12: torch.Tensor) -> torch.Tensor:
     if route == "aten":
         return torch_impl.swiglu_forward_torch(x12)  # functional: nothing to save there
     if route == "op":
+        if torch.compiler.is_exporting():
+            # An exported program must hold functional ops only: the mutating op would
+            # be wrapped in auto_functionalized_v2, which neither ONNX nor
+            # aten_decompositions() can translate. torch.compile keeps the in-place op
+            # (Inductor re-inplaces it).
+            return swiglu_forward_op(x12)
         swiglu_forward_inplace_op(x12)
         return _gate_half(x12)
     return _h_over_gate(x12)

@@ -274,7 +274,7 @@ def _tensor_parallel_class(cls: type) -> type:
 
 class SwiGLUTensorParallel(compat.TensorParallelStyle):
     """Tensor-parallel style for a :class:`~swiglu_cupy.SwiGLU` (or a subclass
-    such as :class:`~swiglu_cupy.hf.SwiGLUMLP`), on a 1-D device mesh.
+    of it), on a 1-D device mesh.
 
     Args:
         sequence_parallel: the input and output are sharded along

@@ -5,7 +5,6 @@ everywhere; the ``gpu`` variants need CUDA.
 """
 import copy
 import io
-import re
 import warnings
 
 import pytest
@@ -57,26 +56,11 @@ def patched_copy(model):
     return patched
 
 
-def hf_named_grads(model):
-    """Gradients keyed by Hugging Face parameter names (w12 split into gate/up)."""
-    out = {}
-    for name, p in model.named_parameters():
-        m = re.fullmatch(r"(.*)\.(w12|w3)\.(weight|bias)", name)
-        if m is None:
-            out[name] = p.grad
-        elif m[2] == "w12":
-            gate, up = p.grad.chunk(2)
-            out[f"{m[1]}.gate_proj.{m[3]}"], out[f"{m[1]}.up_proj.{m[3]}"] = gate, up
-        else:
-            out[f"{m[1]}.down_proj.{m[3]}"] = p.grad
-    return out
-
-
 def forward_backward(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(ids, labels=ids)
     out.loss.backward()
-    return out.logits.detach(), hf_named_grads(model)
+    return out.logits.detach(), {name: p.grad for name, p in model.named_parameters()}
 
 
 def enable_checkpointing(model, use_reentrant):
@@ -106,8 +90,8 @@ def check_parity(family, dtype, device, **overrides):
     unpatched = copy.deepcopy(base).to(dtype)
     patched = patched_copy(unpatched)
     for layer in patched.model.layers:
-        assert isinstance(layer.mlp, SwiGLUMLP)
-        assert layer.mlp.w12.weight.dtype == dtype and layer.mlp.w12.weight.device.type == device
+        assert isinstance(layer.mlp, SwiGLUMLP) and layer.mlp.fusion() == "mlp"
+        assert layer.mlp.gate_proj.weight.dtype == dtype and layer.mlp.gate_proj.weight.device.type == device
     ids = token_ids(device=device)
     logits_u, grads_u = forward_backward(unpatched, ids)
     logits_p, grads_p = forward_backward(patched, ids)
@@ -146,9 +130,8 @@ def test_parity_mlp_bias():
     model = tiny_model("llama", mlp_bias=True)
     patched = patched_copy(model)
     mlp, ref = patched.model.layers[1].mlp, model.model.layers[1].mlp
-    assert mlp.w12.bias is not None and mlp.w3.bias is not None
-    torch.testing.assert_close(mlp.w12.bias, torch.cat([ref.gate_proj.bias, ref.up_proj.bias]))
-    torch.testing.assert_close(mlp.w3.bias, ref.down_proj.bias)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        torch.testing.assert_close(getattr(mlp, name).bias, getattr(ref, name).bias, rtol=0, atol=0)
     check_parity("llama", torch.float32, "cpu", mlp_bias=True)
 
 
@@ -234,24 +217,36 @@ def test_state_dict_has_hf_layout():
     torch.testing.assert_close(fresh_p(ids).logits, patched(ids).logits, rtol=0, atol=0)
 
 
-def test_swiglu_mlp_loads_packed_keys():
-    src = SwiGLU(8, 12, 6)
-    dst = SwiGLUMLP(8, 12, 6)
-    dst.load_state_dict(src.state_dict())
-    torch.testing.assert_close(dst.w12.weight, src.w12.weight, rtol=0, atol=0)
-    sd = dst.state_dict()
-    del sd["up_proj.weight"]
-    with pytest.raises(RuntimeError, match="gate_proj.weight"):  # incomplete pair: reported, not guessed
-        dst.load_state_dict(sd)
-    # Pickling and deep copies keep the hooks.
-    clone = copy.deepcopy(dst)
+def test_patched_in_place_keeps_modules_and_parameters():
+    """The MLP object, its children and its Parameters stay the same objects:
+    only the class changes (a subclass of the model's own MLP class)."""
+    model = tiny_model("llama", mlp_bias=True)
+    mlps = [layer.mlp for layer in model.model.layers]
+    params = [dict(m.named_parameters()) for m in mlps]
+    base = type(mlps[0])
+    assert patch_model(model) == LAYERS
+    for layer, mlp, before in zip(model.model.layers, mlps, params):
+        assert layer.mlp is mlp and isinstance(mlp, base) and isinstance(mlp, SwiGLUMLP)
+        assert type(mlp).__name__ == f"Fused{base.__name__}"
+        after = dict(mlp.named_parameters())
+        assert list(after) == list(before) and all(after[k] is before[k] for k in before)
+    assert patch_model(model) == 0  # already patched
+
+
+def test_pickle_deepcopy_and_to():
+    model = patched_copy(tiny_model("qwen2"))
+    ids = token_ids()
+    with torch.no_grad():
+        ref = model(ids).logits
     buf = io.BytesIO()
-    torch.save(dst, buf)
+    torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    for m in (clone, loaded):
-        assert list(m.state_dict()) == [f"{p}_proj.{k}" for p in ("gate", "up", "down")
-                                        for k in ("weight", "bias")]
+    for m in (loaded, copy.deepcopy(model), copy.deepcopy(model).to(torch.float64)):
+        assert all(type(layer.mlp) is type(model.model.layers[0].mlp) for layer in m.model.layers)
+        assert all(layer.mlp.fusion() == "mlp" for layer in m.model.layers)
+        with torch.no_grad():
+            torch.testing.assert_close(m(ids).logits.float(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_memory_modes_pass_through():
@@ -260,6 +255,7 @@ def test_memory_modes_pass_through():
     lean = copy.deepcopy(model)
     assert patch_model(lean, recompute_gate_up=True, inplace_backward=True) == LAYERS
     assert all(layer.mlp.recompute_gate_up and layer.mlp.inplace_backward for layer in lean.model.layers)
+    assert not any(layer.mlp.recompute_gate_up or layer.mlp.inplace_backward for layer in plain.model.layers)
     ids = token_ids()
     _, grads_plain = forward_backward(plain, ids)
     _, grads_lean = forward_backward(lean, ids)
@@ -282,7 +278,7 @@ def test_save_pretrained_roundtrip(tmp_path, family):
         # Unpatched -> checkpoint -> patched model (from_pretrained, then patch).
         model.save_pretrained(tmp_path / "plain")
         repatched = cls.from_pretrained(tmp_path / "plain", attn_implementation="eager")
-    assert not any(isinstance(m, SwiGLU) for m in reloaded.modules())
+    assert not any(isinstance(m, SwiGLUMLP) for m in reloaded.modules())
     torch.testing.assert_close(reloaded(ids).logits, ref, rtol=0, atol=0)
     assert patch_model(repatched) == LAYERS
     torch.testing.assert_close(repatched(ids).logits, patched(ids).logits, rtol=0, atol=0)
@@ -302,8 +298,8 @@ def test_keeps_dtype_device_requires_grad_and_mode():
     model.eval()
     patched = patched_copy(model)
     frozen, live = patched.model.layers[0].mlp, patched.model.layers[1].mlp
-    assert not frozen.w12.weight.requires_grad and not frozen.w3.weight.requires_grad
-    assert live.w12.weight.requires_grad and live.w3.weight.requires_grad
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert all(p.requires_grad for p in live.parameters())
     assert all(p.dtype == torch.bfloat16 for p in patched.parameters())
     assert not frozen.training
 
@@ -313,7 +309,7 @@ def test_other_activations_untouched(act):
     model = tiny_model("llama", hidden_act=act)
     before = copy.deepcopy(model.state_dict())
     assert patch_model(model) == 0
-    assert not any(isinstance(m, SwiGLU) for m in model.modules())
+    assert not any(isinstance(m, SwiGLUMLP) for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="no SwiGLU MLP found"):
         patch_model(model, strict=True)
@@ -356,7 +352,7 @@ def test_custom_modules():
     ref = model(x)
     assert is_swiglu_mlp(model[2])  # the structure fits; only its forward differs
     assert patch_model(model) == 2
-    assert [type(m).__name__ for m in model] == ["SwiGLUMLP", "SwiGLUMLP", "CustomMLP", "CustomMLP",
+    assert [type(m).__name__ for m in model] == ["FusedCustomMLP", "FusedCustomMLP", "CustomMLP", "CustomMLP",
                                                  "GeluMLP"]
     torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="does not compute"):
@@ -393,14 +389,14 @@ def test_from_gate_up_down_mixed_bias_dtype_requires_grad():
     up = nn.Linear(8, 12, bias=False, dtype=torch.float64)
     down = nn.Linear(12, 8, bias=True, dtype=torch.float64)
     down.weight.requires_grad_(False)
-    m = SwiGLUMLP.from_gate_up_down(gate, up, down)
-    assert isinstance(m, SwiGLUMLP) and m.w12.bias is None and m.w3.bias is not None
+    m = SwiGLU.from_gate_up_down(gate, up, down)
+    assert m.w12.bias is None and m.w3.bias is not None
     assert m.w12.weight.dtype == torch.float64 and not m.w3.weight.requires_grad
     x = torch.randn(3, 8, dtype=torch.float64)
     torch.testing.assert_close(m(x), down(F.silu(gate(x)) * up(x)))
     g, u, d = m.to_gate_up_down()
     assert g.bias is None and d.bias is not None and not d.weight.requires_grad
-    assert set(m.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight", "down_proj.bias"}
+    assert set(m.state_dict()) == {"w12.weight", "w3.weight", "w3.bias"}
 
 
 def test_from_gate_up_down_validation():

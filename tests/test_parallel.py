@@ -111,6 +111,12 @@ def build_hf_model(seed=0):
     return torch.nn.Sequential(HFStyleMLP()).to(DEVICE)
 
 
+def hf_plan():
+    """A Hugging Face style tp_plan for the MLP: the patched module keeps its
+    projections, so they shard like the unpatched ones."""
+    return {"0.gate_proj": ColwiseParallel(), "0.up_proj": ColwiseParallel(), "0.down_proj": RowwiseParallel()}
+
+
 def _error_text(fn):
     try:
         fn()
@@ -148,25 +154,24 @@ def _case_tp(rank, world):
     res["dtensor_out"] = {"type": type(dt_out).__name__, "placements": str(dt_out.placements),
                           "full": dt_out.full_tensor().detach().cpu()}
 
-    # Hugging Face order: patch_model first, then parallelize the patched MLPs
+    # Hugging Face: a patched MLP keeps gate_proj/up_proj/down_proj, so an HF
+    # style plan shards it (its hooks run the projections; silu * up is fused
+    # on the local shards), whether it is patched before or after sharding.
     hf_model = build_hf_model()
     hf_state = {k: v.clone() for k, v in hf_model.state_dict().items()}
     with torch.no_grad():
         hf_out = hf_model(x)
     assert patch_model(hf_model, strict=True) == 1
-    parallelize_module(hf_model, mesh, {"0": SwiGLUTensorParallel()})
+    parallelize_module(hf_model, mesh, hf_plan())
     with torch.no_grad():
-        res["hf"] = {"out": hf_model(x).cpu(), "expected_out": hf_out.cpu(),
+        # RowwiseParallel returns an AsyncCollectiveTensor: wait() gives the plain tensor to save.
+        res["hf"] = {"out": hf_model(x).wait().cpu(), "expected_out": hf_out.cpu(), "fusion": hf_model[0].fusion(),
                      "state": {k: v.full_tensor().cpu() for k, v in hf_model.state_dict().items()},
                      "expected_state": {k: v.cpu() for k, v in hf_state.items()}}
-    hf_load = build_hf_model(seed=7)
-    patch_model(hf_load)
-    parallelize_module(hf_load, mesh, {"0": SwiGLUTensorParallel()})
-    hf_load.load_state_dict(hf_state)  # an unpatched model's state dict
-    res["hf"]["loaded"] = {k: v.full_tensor().cpu() for k, v in hf_load.state_dict().items()}
-    tp_plan_model = build_hf_model()  # weights sharded by a generic plan, as HF's tp_plan does
-    parallelize_module(tp_plan_model, mesh, {"0.gate_proj": ColwiseParallel(), "0.up_proj": ColwiseParallel(),
-                                             "0.down_proj": RowwiseParallel()})
+    tp_plan_model = parallelize_module(build_hf_model(), mesh, hf_plan())
+    res["hf"]["patched_after_plan"] = patch_model(tp_plan_model)
+    with torch.no_grad():
+        res["hf"]["out_after_plan"] = tp_plan_model(x).wait().cpu()
 
     def plain_tp_forward():
         plain = parallelize_module(build_block(), mesh, {"w12": ColwiseParallel(), "w3": RowwiseParallel()})
@@ -183,7 +188,6 @@ def _case_tp(rank, world):
                                                              SwiGLUTensorParallel())),
         "reject_dtensor": _error_text(lambda: reject_distributed_weights(w12=colwise.w12.weight)),
         "plain_colwise_forward": _error_text(plain_tp_forward),
-        "patch_tp_plan": _error_text(lambda: patch_model(tp_plan_model)),
         "bad_sequence_dim": _error_text(lambda: parallelize_module(
             build_block(), mesh, SwiGLUTensorParallel(sequence_parallel=True, sequence_dim=2))(x)),
     }
@@ -263,7 +267,7 @@ def _case_dcp(case, rank, world):
     for seed in (0, 7):
         model = build_hf_model(seed)
         patch_model(model)
-        hf_models.append(parallelize_module(model, mesh, {"0": SwiGLUTensorParallel()}))
+        hf_models.append(parallelize_module(model, mesh, hf_plan()))
     dcp.save(hf_models[0].state_dict(), checkpoint_id=path + "_hf")
     res["hf_saved"] = _full_params(hf_models[0])
     res["hf_loaded"] = _dcp_load(hf_models[1], path + "_hf")
@@ -401,12 +405,13 @@ def check_tp_results(results, world):
         assert_block_matches(res["no_bias"], reference(bias=False))
         assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
         assert_block_matches(res["plan"], ref)
-        # HF: patched, then parallelized; the state dict keeps the HF keys and values
+        # HF: patched, then parallelized (or the reverse); the state dict keeps the HF keys and values
         hf = res["hf"]
+        assert hf["fusion"] == "activation" and hf["patched_after_plan"] == 1
         close(hf["out"], hf["expected_out"], "patched + parallelized HF MLP output")
+        close(hf["out_after_plan"], hf["expected_out"], "parallelized + patched HF MLP output")
         for key, value in hf["expected_state"].items():
             assert torch.equal(hf["state"][key], value), key
-            assert torch.equal(hf["loaded"][key], value), key
         assert sorted(hf["state"]) == sorted(hf["expected_state"])
         assert res["dtensor_out"]["type"] == "DTensor" and res["dtensor_out"]["placements"] == "(Replicate(),)"
         close(res["dtensor_out"]["full"], ref["out"], "use_local_output=False")
@@ -456,8 +461,6 @@ def test_tensor_parallel_errors(tp_results):
     # a generic ColwiseParallel/RowwiseParallel plan never runs silently
     assert errors["plain_colwise_forward"].startswith("TypeError")
     assert "SwiGLUTensorParallel" in errors["plain_colwise_forward"]
-    assert errors["patch_tp_plan"].startswith("ValueError") and "tp_plan" in errors["patch_tp_plan"]
-    assert "SwiGLUTensorParallel" in errors["patch_tp_plan"]
     assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
 
 

@@ -1,6 +1,7 @@
-"""patch_model on MLPs whose projections it cannot replace: PEFT LoRA layers
-(real peft, a tiny Llama from a config, no downloads) and quantized-like
-modules. The projections stay; only silu(gate) * up runs fused (silu_mul).
+"""patch_model on MLPs whose projections are not plain nn.Linear: PEFT LoRA
+layers (real peft, a tiny Llama from a config, no downloads) and quantized-like
+modules. The projections run as themselves; only silu(gate) * up runs fused
+(silu_mul).
 """
 import copy
 
@@ -15,8 +16,7 @@ pytest.importorskip("transformers", reason="needs transformers: pip install 'swi
 from conftest import assert_nontrivial, rel_rms  # noqa: E402
 from test_hf import FP32_TOL, LAYERS, LOSS_TOL, enable_checkpointing, tiny_model, token_ids, train_losses  # noqa: E402
 
-from swiglu_cupy import SwiGLU  # noqa: E402
-from swiglu_cupy.hf import SiluMulMLP, SwiGLUMLP, patch_model  # noqa: E402
+from swiglu_cupy.hf import SwiGLUMLP, patch_model  # noqa: E402
 
 LORA_TARGETS = ["gate_proj", "up_proj", "down_proj"]
 
@@ -58,7 +58,7 @@ def test_lora_mlps_keep_their_projections():
     state_before = model.state_dict()
     assert patch_model(model, strict=True) == LAYERS
     for mlp, projections in zip(mlps(model), before):
-        assert type(mlp) is SiluMulMLP
+        assert isinstance(mlp, SwiGLUMLP) and mlp.fusion() == "activation"
         assert (mlp.gate_proj, mlp.up_proj, mlp.down_proj) == projections  # the same objects
         assert all(isinstance(p, peft.tuners.lora.LoraLayer) for p in projections)
     # Only the adapters train, under the same names; the state dict is unchanged.
@@ -108,15 +108,13 @@ def test_merge_and_unload_then_full_fusion():
     merged_ref = model.merge_and_unload()
     merged = patched.merge_and_unload()
     for mlp in merged.model.layers:
-        assert type(mlp.mlp) is SiluMulMLP
+        # Plain nn.Linear again: the same patched MLP now runs whole fused.
+        assert isinstance(mlp.mlp, SwiGLUMLP) and mlp.mlp.fusion() == "mlp"
         assert all(type(p) is nn.Linear for p in (mlp.mlp.gate_proj, mlp.mlp.up_proj, mlp.mlp.down_proj))
     with torch.no_grad():
         ref = merged_ref(ids).logits
         assert rel_rms(merged(ids).logits, ref) < FP32_TOL["cpu"]
-        # Plain nn.Linear again: a second patch_model fuses the whole MLP.
-        assert patch_model(merged, strict=True) == LAYERS
-        assert all(type(layer.mlp) is SwiGLUMLP for layer in merged.model.layers)
-        assert rel_rms(merged(ids).logits, ref) < FP32_TOL["cpu"]
+    assert patch_model(merged) == 0  # already patched
     assert list(merged.state_dict()) == list(merged_ref.state_dict())
 
 
@@ -148,7 +146,7 @@ class QuantMLP(nn.Module):
         self.act_fn = nn.SiLU()
         self.swap = swap
         if extra_child:
-            self.norm = nn.LayerNorm(h)  # used by forward: a SiluMulMLP would drop it
+            self.norm = nn.LayerNorm(h)  # used by forward: the fused forward would skip it
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
@@ -165,7 +163,7 @@ def test_quantized_projections_get_silu_mul(dtype):
     ref = copy.deepcopy(model)
     buffers = [m.gate_proj.qweight for m in model]
     assert patch_model(model, strict=True) == 2
-    assert all(type(m) is SiluMulMLP for m in model)
+    assert all(isinstance(m, QuantMLP) and m.fusion() == "activation" for m in model)
     assert [m.gate_proj.qweight for m in model] == buffers  # same storage, never dequantized
     x = torch.randn(3, 5, 16, dtype=dtype, requires_grad=True)
     y, y_ref = model(x), ref(x)
@@ -190,19 +188,36 @@ def test_quantized_look_alikes_left_alone():
     # forward cannot be verified; verify=False trusts the structure.
     blind = nn.Sequential(QuantMLP(expose_in_features=False))
     assert patch_model(blind) == 0
-    assert patch_model(blind, verify=False) == 1 and type(blind[0]) is SiluMulMLP
+    assert patch_model(blind, verify=False) == 1 and blind[0].fusion() == "activation"
 
 
 def test_gelu_lora_left_alone():
     base = tiny_model("llama", hidden_act="gelu")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
     assert patch_model(model) == 0
-    assert not any(isinstance(m, (SiluMulMLP, SwiGLU)) for m in model.modules())
+    assert not any(isinstance(m, SwiGLUMLP) for m in model.modules())
 
 
-def test_silu_mul_mlp_validation():
-    with pytest.raises(TypeError, match="up_proj must be an nn.Module"):
-        SiluMulMLP(nn.Linear(2, 3), lambda x: x, nn.Linear(3, 2))
+def test_lora_on_a_patched_model():
+    """get_peft_model after patch_model: PEFT finds gate_proj/up_proj/down_proj by
+    name, and the patched MLPs switch to the activation-only path."""
+    base = tiny_model("llama")
+    ref = copy.deepcopy(base)
+    assert patch_model(base, strict=True) == LAYERS
+    config = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(**config))
+    torch.manual_seed(1)
+    ref = peft.get_peft_model(ref, peft.LoraConfig(**config))
+    assert all(m.fusion() == "activation" for m in mlps(model))
+    ids = token_ids()
+    logits_p, grads_p = trainable_grads(model, ids)
+    logits_u, grads_u = trainable_grads(ref, ids)
+    assert rel_rms(logits_p, logits_u) < FP32_TOL["cpu"]
+    assert list(grads_p) == list(grads_u)
+    for name, g in grads_u.items():
+        assert_nontrivial(grads_p[name], name)
+        assert rel_rms(grads_p[name], g) < FP32_TOL["cpu"], name
 
 
 # --- GPU -------------------------------------------------------------------

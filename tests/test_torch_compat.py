@@ -45,3 +45,22 @@ def test_cpp_function_apply_records_the_same_graph_as_apply():
     assert type(y.grad_fn).__name__ == "DoubleBackward", "torch._C._FunctionBase.apply no longer builds the node"
     y.sum().backward()
     assert torch.equal(y, x.detach() * 2) and torch.equal(x.grad, torch.full((4,), 3.0))
+
+
+def test_global_module_hooks_are_seen():
+    assert compat.global_module_hooks_active() is False
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        assert compat.global_module_hooks_active() is True, "nn.Module's global hook registries moved"
+    finally:
+        handle.remove()
+    assert compat.global_module_hooks_active() is False
+
+
+def test_registered_global_decompositions_are_in_torch_table():
+    """swiglu_cupy.ops registers its functional ops' aten math there at import."""
+    import torch._decomp
+
+    import swiglu_cupy.ops  # noqa: F401
+    table = torch._decomp.global_decomposition_table["post_autograd"]
+    assert torch.ops.swiglu_cupy.swiglu_forward.default in table, "torch._decomp's global table changed"

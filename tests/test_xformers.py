@@ -29,7 +29,7 @@ from swiglu_cupy.xformers import SwiGLUFusedOp, SwiGLUPackedFusedOp, patch_xform
 D, H, O = 24, 40, 16
 LEAD = (3, 7)
 # Relative RMS bounds against float64 on the same rounded inputs (the
-# reasoning of test_interface.py): fp32 is a few fp32 roundings plus GEMM
+# reasoning of test_api.py): fp32 is a few fp32 roundings plus GEMM
 # accumulation; bf16 is about one bf16 unit (2^-8) from the x12, h and y
 # roundings, and we allow two.
 REL_RMS_BOUND = {torch.float32: 1e-6, torch.bfloat16: 8e-3}
