@@ -163,10 +163,11 @@ def _kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
 
 
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per-row dot product in fp32 (fp64 for float64), [S]."""
-    if a.dtype in FULL_PRECISION_DTYPES:
-        return torch.linalg.vecdot(a, b)
-    return torch.linalg.vecdot(a.float(), b.float())
+    """Per-row dot product, [S]: accumulated in fp32 (fp64 for float64), the
+    products and the result in the storage dtype, as the eager router
+    gradient ``(dy * z).sum(-1)`` has them (widening both operands first
+    costs two more passes over [S, I])."""
+    return torch.linalg.vecdot(a, b)
 
 
 # ---- the computation (plain bodies; the registered ops below wrap them) --------------------
@@ -174,7 +175,8 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool):
     groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
     x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
-    h = run_swiglu_forward(x12, None, None, None, activation)                # one launch, every row
+    # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
+    h = run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -200,13 +202,15 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
         dh = (g * w).to(dtype)
     else:
         dh = _rows_linear(dyw, w3_t, None, groups)                           # GEMM: dyw @ W3
-    # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to overwrite.
-    dx12, h = run_swiglu_backward(x12, dh, x12 if recomputed else None, None, None, activation)
+    # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to
+    # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
+    # row blocks instead of joining two halves afterwards).
+    dx12, h = run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
     dx = dw12 = db12 = dw3 = db3 = drw = None
     if g is not None:
         drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)
         if b3 is not None:
-            drw += _row_dot(dy, b3.index_select(0, groups.row_expert()))
+            drw = drw + _row_dot(dy, b3.index_select(0, groups.row_expert()))
         drw = groups.zero_tail(drw.to(rw.dtype))
     if need_w3:
         dw3 = _weight_grad(h, dyw, groups) if transposed else _weight_grad(dyw, h, groups)
@@ -431,6 +435,54 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
     return perm, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
+def _sum_per_token(rows: torch.Tensor, inv_perm: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, D]: each token's K rows (``rows`` in expert order) summed in a fixed
+    order in fp32 (float64 for float64), rounded once to ``dtype``."""
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    return rows.index_select(0, inv_perm).view(-1, K, rows.shape[1]).sum(1, dtype=acc).to(dtype)
+
+
+class _Dispatch(_LeanApplyFunction):
+    """``hidden[token]``: each routed row's token, in expert order. Backward
+    sums each token's K row gradients in a fixed order (a gather, no
+    scatter-add: deterministic on every device). Saves the two index vectors."""
+
+    @staticmethod
+    def forward(hidden, token, inv_perm, K):
+        return hidden.index_select(0, token)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        hidden, token, inv_perm, K = inputs
+        ctx.save_for_backward(inv_perm)
+        ctx.K, ctx.dtype = K, hidden.dtype
+
+    @staticmethod
+    def backward(ctx, d_rows):
+        (inv_perm,) = ctx.saved_tensors
+        return _sum_per_token(d_rows, inv_perm, ctx.K, ctx.dtype), None, None, None
+
+
+class _Combine(_LeanApplyFunction):
+    """The adjoint of ``_Dispatch``: each token's K expert rows summed
+    (``_sum_per_token``); backward gathers each row's token gradient."""
+
+    @staticmethod
+    def forward(rows, token, inv_perm, K, dtype):
+        return _sum_per_token(rows, inv_perm, K, dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        rows, token, inv_perm, K, dtype = inputs
+        ctx.save_for_backward(token)
+        ctx.dtype = rows.dtype
+
+    @staticmethod
+    def backward(ctx, dy):
+        (token,) = ctx.saved_tensors
+        return dy.index_select(0, token).to(ctx.dtype), None, None, None, None
+
+
 def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights, w12, b12, w3, b3,
                       activation: GLUActivation, transposed: bool, recompute_gate_up: bool, sentinels: bool,
                       post_expert=None) -> torch.Tensor:
@@ -444,7 +496,10 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     K = top_k_index.shape[-1]
     E = w12.shape[0]
     perm, offsets = sort_by_expert(top_k_index, E)
-    x_sorted = hidden_states.index_select(0, perm // K)
+    token = perm // K
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.shape[0], device=perm.device)
+    x_sorted = _Dispatch.apply(hidden_states, token, inv_perm, K)
     rw = None
     if top_k_weights is not None:
         rw = top_k_weights.reshape(-1).index_select(0, perm)
@@ -458,10 +513,7 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
             y = y * rw.unsqueeze(1)
         if sentinels:
             y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offsets[-1]).unsqueeze(1), 0)
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.shape[0], device=perm.device)
-    acc = torch.promote_types(y.dtype, torch.float32)
-    return y.index_select(0, inv_perm).view(T, K, D).sum(1, dtype=acc).to(hidden_states.dtype)
+    return _Combine.apply(y, token, inv_perm, K, hidden_states.dtype)
 
 
 def check_expert_ids(name: str, ids: torch.Tensor, E: int, allow_sentinels: bool = False) -> None:
