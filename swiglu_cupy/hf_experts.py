@@ -34,6 +34,7 @@ Hugging Face does.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import warnings
 from dataclasses import dataclass
@@ -88,10 +89,15 @@ def _wrapper_code():
     return _WRAPPER_CODE
 
 
+@functools.lru_cache(maxsize=None)
+def _have_transformers() -> bool:
+    return importlib.util.find_spec("transformers") is not None
+
+
 def register() -> bool:
     """Register ``experts_forward`` under ``"swiglu_cupy"`` in transformers'
     ExpertsInterface (idempotent). False when transformers is not installed."""
-    if importlib.util.find_spec("transformers") is None:
+    if not _have_transformers():
         return False
     interface = _moe_module().ExpertsInterface
     interface.register(NAME, experts_forward)
@@ -100,7 +106,7 @@ def register() -> bool:
 
 def is_hf_experts(module: nn.Module) -> bool:
     """True for an instance of a ``@use_experts_implementation`` experts class."""
-    if importlib.util.find_spec("transformers") is None:
+    if not _have_transformers():
         return False
     return getattr(type(module).forward, "__code__", None) is _wrapper_code()
 

@@ -78,10 +78,10 @@ def experts_modules(model: torch.nn.Module) -> list:
 
 
 def use_implementation(module: torch.nn.Module, name: str) -> None:
-    """Point one experts module (its config) at an experts implementation."""
-    if name == "swiglu_cupy":
-        from ..hf_experts import register
-        register()
+    """Point one experts module (its config) at an experts implementation
+    (importing ``hf_experts`` registered "swiglu_cupy")."""
+    from .. import hf_experts  # noqa: F401
+
     module.config._experts_implementation = name
 
 
