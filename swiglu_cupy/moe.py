@@ -492,7 +492,6 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     contribute zero (and no router gradient). ``post_expert`` (a module
     applied to each row's unweighted output, e.g. a post-expert norm) moves
     the routing weights after it."""
-    T, D = hidden_states.shape
     K = top_k_index.shape[-1]
     E = w12.shape[0]
     perm, offsets = sort_by_expert(top_k_index, E)
