@@ -3,9 +3,11 @@ within a time budget (8 minutes on one GPU: GPU time is scarce).
 
 1. ``pytest -m gpu -q`` on the checkout's ``tests/`` (log and junit XML in DIR),
 2. ``python -m swiglu_cupy bench --quick --out DIR``,
-3. ``python -m swiglu_cupy bench --sweep-launch --out DIR`` (``--quick`` when
+3. ``python -m swiglu_cupy bench --moe --out DIR`` (the MoE experts against
+   Hugging Face's grouped_mm: time and saved bytes),
+4. ``python -m swiglu_cupy bench --sweep-launch --out DIR`` (``--quick`` when
    the full sweep no longer fits the budget),
-4. a summary in ``DIR/selftest.json`` and ``DIR/selftest.txt`` with each
+5. a summary in ``DIR/selftest.json`` and ``DIR/selftest.txt`` with each
    step's seconds next to its estimate.
 
 Before anything runs it prints an estimate per step and in total, from a
@@ -42,6 +44,7 @@ BUDGET_S = 480.0
 # torch.compile of eager HF per shape and the two fresh compile-probe processes.
 ASSUMED_S_PER_GPU_TEST = 1.5
 ASSUMED_BENCH_QUICK_S = 180.0
+ASSUMED_BENCH_MOE_S = 45.0   # two dtypes x 20 rounds of a small experts layer, plus 7 tiny models on the CPU
 SWEEP_STEP = "bench --sweep-launch"
 
 
@@ -172,6 +175,8 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
              tests_estimate(n_tests), "pytest-gpu.log"),
         Step("bench --quick", [*py, "swiglu_cupy", "bench", "--quick", "--out", str(out_dir)],
              ASSUMED_BENCH_QUICK_S, "bench.log"),
+        Step("bench --moe", [*py, "swiglu_cupy", "bench", "--moe", "--out", str(out_dir)],
+             ASSUMED_BENCH_MOE_S, "moe.log"),
         Step(SWEEP_STEP, [*py, "swiglu_cupy", "bench", "--sweep-launch", "--out", str(out_dir)],
              sweeps["full"], "sweep.log"),
     ]
@@ -236,6 +241,6 @@ def format_summary(summary: dict) -> str:
         extra = ("  " + ", ".join(f"{k} {v}" for k, v in counts.items())) if counts else ""
         lines.append(f"{' '.join(r['command'])}: {state}{extra}  ({r['seconds']:.0f} s, estimated "
                      f"~{r['estimate_s']:.0f} s)")
-    lines.append("files (of the steps that ran): pytest-gpu.log/xml, bench.log/json/txt/png, sweep.log/json/txt, "
-                 "selftest.json/txt")
+    lines.append("files (of the steps that ran): pytest-gpu.log/xml, bench.log/json/txt/png, moe.log/json/txt, "
+                 "sweep.log/json/txt, selftest.json/txt")
     return "\n".join(lines)

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="instead of the comparison: time every launch candidate of the elementwise kernels "
                         "(CUDA only; bf16, M=8192, H=11008 and 14336 unless --tokens/--hidden/--preset/--dtype "
                         "say otherwise); writes sweep.json and sweep.txt")
+    p.add_argument("--moe", action="store_true",
+                   help="instead of the comparison: the MoE experts against Hugging Face's grouped_mm experts "
+                        "(forward+backward time at E=8, top-2, D=256, I=512, 1024 tokens, fp32 and bf16 unless "
+                        "--dtype says otherwise; bytes saved for backward per model family); writes moe.json and "
+                        "moe.txt (needs transformers)")
     p.add_argument("--out", default="bench-results",
                    help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt)")
 
@@ -111,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sweep_launch:
         from .sweep import run as run_sweep
         return run_sweep(args)
+    if args.moe:
+        from .moe import run as run_moe
+        return run_moe(args)
     try:
         shapes, settings = resolve(args)
     except (ValueError, RuntimeError) as exc:

@@ -1,0 +1,461 @@
+"""The MoE experts op (swiglu_cupy.moe): parity with a float64 loop-over-experts
+reference (output and every gradient, routing weights included), both GEMM
+paths (grouped_mm and the per-expert loop), what is saved for backward,
+checkpointing, edge cases of the routing, bad arguments, torch.compile,
+autocast, FSDP2 and meta-device init on 2 gloo ranks."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import rank_launcher
+import swiglu_cupy.moe as moe
+from conftest import assert_nontrivial, rel_rms
+from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
+from swiglu_cupy.bench.moe import saved_activation_bytes
+
+# Relative RMS error bounds against the float64 reference: a few roundings of
+# the storage dtype (GEMM outputs are rounded, the activation once).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2, torch.float64: 1e-12}
+
+SPECS = {"silu": SILU, "gpt_oss": GPT_OSS, "deepseek_v4": deepseek_v4(0.5), "gelu_tanh": GLUActivation("gelu_tanh")}
+
+
+def make(E=4, D=64, I=32, T=37, K=2, dtype=torch.float32, transposed=False, bias=False, seed=0, device="cpu"):
+    """Inputs of routed_experts: x, router logits (top-k weights are a softmax
+    of them, so the router gets a gradient), ids and the expert weights."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(device, dtype).requires_grad_()  # noqa: E731
+    x = r(T, D)
+    logits = r(T, E)
+    ids = torch.randn(T, E, generator=gen).topk(K, -1).indices.to(device)
+    w12 = r(*((E, D, 2 * I) if transposed else (E, 2 * I, D)), s=D ** -0.5 * 2)
+    w3 = r(*((E, I, D) if transposed else (E, D, I)), s=I ** -0.5)
+    b12 = r(E, 2 * I, s=0.5) if bias else None
+    b3 = r(E, D, s=0.5) if bias else None
+    return x, logits, ids, w12, w3, b12, b3
+
+
+def routing_weights(logits, ids):
+    return logits.gather(1, ids).softmax(-1)
+
+
+def run(inputs, spec, transposed, fn=moe.routed_experts, **kw):
+    x, logits, ids, w12, w3, b12, b3 = inputs
+    return fn(x, ids, routing_weights(logits, ids), w12, w3, b12, b3, activation=spec, transposed=transposed, **kw)
+
+
+def grads(inputs, y, dy):
+    leaves = [t for t in (inputs[0], inputs[1], *inputs[3:]) if t is not None]
+    return torch.autograd.grad(y, leaves, dy)
+
+
+def fp64_reference(inputs, spec, transposed):
+    """The float64 reference from the same values; with a clamp, x12 is
+    rounded to the inputs' dtype first, so both take the same clamp decisions
+    (the clamp's gradient jumps at the limit)."""
+    d = [None if t is None or not t.is_floating_point() else t.detach().double().requires_grad_() for t in inputs]
+    d[2] = inputs[2]
+    x12_dtype = inputs[0].dtype if spec.limit is not None else None
+    return d, run(d, spec, transposed, fn=moe.experts_reference, x12_dtype=x12_dtype)
+
+
+def assert_matches_reference(inputs, spec, transposed, dtype, **kw):
+    y = run(inputs, spec, transposed, **kw)
+    ref_inputs, y_ref = fp64_reference(inputs, spec, transposed)
+    assert y.dtype == dtype and y.shape == y_ref.shape
+    assert rel_rms(y, y_ref) <= TOL[dtype]
+    dy = torch.randn_like(y_ref)
+    names = ["x", "router"] + [n for n, t in zip(("w12", "w3", "b12", "b3"), inputs[3:]) if t is not None]
+    for name, g, g_ref in zip(names, grads(inputs, y, dy.to(dtype)), grads(ref_inputs, y_ref, dy)):
+        assert_nontrivial(g, name)
+        assert g.dtype == dtype
+        assert rel_rms(g, g_ref) <= TOL[dtype], name
+
+
+# ---- parity --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("spec,transposed,bias", [("silu", False, False), ("gpt_oss", True, True),
+                                                  ("deepseek_v4", False, False), ("gelu_tanh", False, True)])
+def test_matches_fp64_reference(dtype, spec, transposed, bias):
+    inputs = make(dtype=dtype, transposed=transposed, bias=bias)
+    assert_matches_reference(inputs, SPECS[spec], transposed, dtype)
+
+
+@pytest.mark.parametrize("D,I", [(64, 32), (63, 33)])
+def test_grouped_mm_and_loop_paths_agree(monkeypatch, D, I):
+    """The grouped_mm path (aligned fp32) and the per-expert loop of GEMMs
+    give the same results; odd widths take the loop by themselves."""
+    inputs = make(D=D, I=I, transposed=True, bias=True)
+    assert moe.grouped_mm_runs(inputs[0], inputs[3], inputs[4]) == (D % 4 == 0 and I % 2 == 0)
+    y = run(inputs, GPT_OSS, True)
+    dy = torch.randn_like(y)
+    g = grads(inputs, y, dy)
+    monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+    y_loop = run(inputs, GPT_OSS, True)
+    torch.testing.assert_close(y_loop, y, rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads(inputs, y_loop, dy), g):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_matches_reference(inputs, GPT_OSS, True, torch.float32)
+
+
+def test_grouped_mm_runs_predicate():
+    x = torch.randn(16, 64)
+    w12, w3 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
+    assert moe.grouped_mm_runs(x, w12, w3)
+    assert not moe.grouped_mm_runs(x.double(), w12.double(), w3.double())      # no float64 kernel
+    assert not moe.grouped_mm_runs(torch.randn(16 * 64 + 1)[1:].view(16, 64), w12, w3)  # 4-byte aligned base
+    assert not moe.grouped_mm_runs(torch.randn(16, 66)[:, :62], torch.randn(2, 64, 62), torch.randn(2, 62, 32))
+
+
+def test_routing_weight_multiplies_the_down_output_bias_included():
+    """w * (h W3 + b3), not (w * h) W3 + b3: with a down bias the two differ."""
+    x, logits, ids, w12, w3, b12, b3 = make(bias=True)
+    rw = routing_weights(logits, ids)
+    y = moe.routed_experts(x, ids, rw, w12, w3, b12, b3)
+    bias_unweighted = moe.experts_reference(x, ids, rw, w12, w3, b12, None) + b3[ids].sum(1)
+    assert rel_rms(y, bias_unweighted) > 1e-2  # the (w h) W3 + b3 form is a different function
+    torch.testing.assert_close(y, moe.experts_reference(x, ids, rw, w12, w3, b12, b3), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_router_gradient_is_dy_dot_down_output(dtype):
+    """d(routing weight) = dy . (h W3 + b3), against autograd of the float64 reference."""
+    x, logits, ids, w12, w3, b12, b3 = make(bias=True, transposed=True, dtype=dtype)
+    rw = routing_weights(logits, ids).detach().requires_grad_()
+    y = moe.routed_experts(x, ids, rw, w12, w3, b12, b3, activation=GPT_OSS, transposed=True)
+    dy = torch.randn_like(y)
+    (g,) = torch.autograd.grad(y, rw, dy)
+    d = [t.detach().double() for t in (x, w12, w3, b12, b3)]
+    rw64 = rw.detach().double().requires_grad_()
+    y_ref = moe.experts_reference(d[0], ids, rw64, *d[1:3], *d[3:], activation=GPT_OSS, transposed=True)
+    (g_ref,) = torch.autograd.grad(y_ref, rw64, dy.double())
+    assert_nontrivial(g, "routing weights")
+    assert rel_rms(g, g_ref) <= TOL[dtype]
+
+
+def test_grouped_experts_matches_routed():
+    """The grouped entry point on rows sorted by hand equals the routed one."""
+    x, logits, ids, w12, w3, b12, b3 = make(bias=True)
+    rw = routing_weights(logits, ids).detach()
+    perm, offsets = moe.sort_by_expert(ids, w12.shape[0])
+    assert offsets.dtype == torch.int32 and offsets[-1].item() == ids.numel()
+    y_sorted = moe.grouped_experts(x.detach()[perm // 2], offsets, w12, w3, b12, b3,
+                                   routing_weights=rw.reshape(-1)[perm])
+    y = torch.zeros_like(x).index_add_(0, perm // 2, y_sorted)
+    torch.testing.assert_close(y, moe.routed_experts(x, ids, rw, w12, w3, b12, b3), rtol=1e-5, atol=1e-6)
+
+
+# ---- what is saved, checkpointing ------------------------------------------------------------
+
+def test_saves_x_sorted_and_x12_only_and_recompute_saves_x_only():
+    """Saved for backward inside the op: x_sorted (D) and x12 (2I) per routed
+    row plus offsets and routing weights; recompute_gate_up drops x12; the
+    same whatever requires grad."""
+    E, D, I, T, K = 4, 64, 32, 37, 2
+    S = T * K
+    x_sorted, offsets, w12, w3 = torch.randn(S, D), torch.tensor([10, 30, 30, S], dtype=torch.int32), \
+        torch.randn(E, 2 * I, D), torch.randn(E, D, I)
+    rw = torch.rand(S)
+    extra = offsets.nbytes + rw.nbytes
+    for x_grad, w_grad in ((True, True), (False, True), (True, False), (False, False)):
+        x = x_sorted.clone().requires_grad_(x_grad)
+        w12_, w3_ = w12.clone().requires_grad_(w_grad), w3.clone().requires_grad_(w_grad)
+        rw_ = rw.clone().requires_grad_(True)
+        for recompute, per_row in ((False, D + 2 * I), (True, D)):
+            got = saved_activation_bytes(
+                lambda: moe.grouped_experts(x, offsets, w12_, w3_, routing_weights=rw_, recompute_gate_up=recompute),
+                [w12_, w3_])
+            assert got == S * per_row * 4 + extra, (x_grad, w_grad, recompute, got)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_checkpoint_both_modes_match_plain(use_reentrant, recompute):
+    inputs = make(transposed=True, bias=True)
+    x, logits, ids, w12, w3, b12, b3 = inputs
+
+    def block(x, logits):
+        return moe.routed_experts(x, ids, routing_weights(logits, ids), w12, w3, b12, b3, activation=GPT_OSS,
+                                  transposed=True, recompute_gate_up=recompute)
+
+    leaves = [x, logits, w12, w3, b12, b3]
+
+    def backward(y, dy):  # .backward(): reentrant checkpoint refuses autograd.grad
+        for t in leaves:
+            t.grad = None
+        y.backward(dy)
+        return [t.grad for t in leaves]
+
+    y = block(x, logits)
+    dy = torch.randn_like(y)
+    expected = backward(y, dy)
+    y_ck = checkpoint(block, x, logits, use_reentrant=use_reentrant)
+    assert torch.equal(y_ck, y)
+    for a, b in zip(backward(y_ck, dy), expected):
+        assert_nontrivial(b, "grad")
+        assert torch.equal(a, b)
+
+
+def test_no_grad_forward_equals_grad_forward_and_second_backward_works():
+    inputs = make()
+    with torch.no_grad():
+        y0 = run(inputs, SILU, False)
+    y = run(inputs, SILU, False)
+    assert torch.equal(y0, y)
+    dy = torch.randn_like(y)
+    g1 = torch.autograd.grad(y, inputs[0], dy, retain_graph=True)[0]
+    g2 = torch.autograd.grad(y, inputs[0], dy)[0]
+    assert torch.equal(g1, g2)  # nothing saved was overwritten
+
+
+def test_combine_is_deterministic():
+    inputs = make(T=200, E=8, K=3)
+    ys = [run(inputs, SILU, False) for _ in range(3)]
+    gs = [grads(inputs, y, torch.ones_like(y)) for y in ys]
+    for y, g in zip(ys[1:], gs[1:]):
+        assert torch.equal(y, ys[0])
+        assert all(torch.equal(a, b) for a, b in zip(g, gs[0]))
+
+
+def test_autocast_bf16_casts_inputs_and_returns_fp32_grads():
+    inputs = make()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run(inputs, SILU, False)
+    assert y.dtype == torch.float32  # the combine rounds to the input's dtype
+    ref_inputs, y_ref = fp64_reference(inputs, SILU, False)
+    assert rel_rms(y, y_ref) <= TOL[torch.bfloat16]
+    for g in grads(inputs, y, torch.ones_like(y)):
+        assert g.dtype == torch.float32
+        assert_nontrivial(g, "grad")
+
+
+# ---- routing edge cases --------------------------------------------------------------------
+
+def _with_ids(inputs, ids):
+    return (*inputs[:2], ids, *inputs[3:])
+
+
+@pytest.mark.parametrize("case", ["empty_experts", "one_expert_takes_all", "top1", "one_expert", "zero_tokens"])
+@pytest.mark.parametrize("loop", [False, True])
+def test_routing_edge_cases(monkeypatch, case, loop):
+    if loop:
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+    E, K, T = {"top1": (4, 1, 37), "one_expert": (1, 1, 37), "zero_tokens": (4, 2, 0),
+               "one_expert_takes_all": (6, 1, 37)}.get(case, (6, 2, 37))
+    inputs = make(E=E, K=K, T=T, bias=True)
+    if case == "empty_experts":  # each token to experts (1, 2) or (3, 4): experts 0 and 5 get nothing
+        pairs = torch.tensor([[1, 2], [3, 4]])
+        inputs = _with_ids(inputs, pairs[torch.randint(0, 2, (T,), generator=torch.Generator().manual_seed(0))])
+    elif case == "one_expert_takes_all":
+        inputs = _with_ids(inputs, torch.full((T, 1), 4))
+    y = run(inputs, SILU, False)
+    ref_inputs, y_ref = fp64_reference(inputs, SILU, False)
+    assert y.shape == (T, 64)
+    dy = torch.randn_like(y_ref)
+    got = grads(inputs, y, dy.float())
+    if T:
+        want = grads(ref_inputs, y_ref, dy)
+    else:  # no token reached any expert: the reference has no graph, every gradient is zero
+        want = [torch.zeros_like(t) for t in (ref_inputs[0], ref_inputs[1], *ref_inputs[3:]) if t is not None]
+    if T:
+        assert rel_rms(y, y_ref) <= TOL[torch.float32]
+    for g, g_ref in zip(got, want):
+        assert g.shape == g_ref.shape
+        if not g_ref.any():
+            assert torch.equal(g, torch.zeros_like(g))  # empty experts, no tokens: exactly zero
+        else:
+            assert rel_rms(g, g_ref) <= TOL[torch.float32]
+    if case in ("empty_experts", "one_expert_takes_all"):
+        unused = sorted(set(range(E)) - set(inputs[2].unique().tolist()))
+        assert unused and all(torch.equal(got[2][e], torch.zeros_like(got[2][e])) for e in unused)
+
+
+def test_expert_parallel_sentinels_contribute_zero():
+    """Ids >= E (experts on other ranks) sort to a tail that gets no GEMM:
+    zero output, zero gradient, and no router gradient there."""
+    x, logits, ids, w12, w3, b12, b3 = make(E=4, bias=True)
+    ids = ids.clone()
+    ids[::3, 1] = 4 + torch.arange(ids[::3].shape[0]) % 3   # sentinels 4, 5, 6
+    sentinel = ids >= 4
+    rw = routing_weights(logits, ids.clamp(max=3)).detach().requires_grad_()
+    y = moe.route_and_combine(x, ids, rw, w12, b12, w3, b3, SILU, False, False, True)
+    leaves = [x, rw, w12, w3, b12, b3]
+    dy = torch.randn_like(y)
+    g = torch.autograd.grad(y, leaves, dy)
+    assert torch.equal(g[1][sentinel], torch.zeros(int(sentinel.sum())))
+    d = [t.detach().double().requires_grad_() for t in leaves]
+    y_ref = moe.experts_reference(d[0], ids.clamp(max=3), d[1] * ~sentinel, d[2], d[3], d[4], d[5])
+    assert rel_rms(y, y_ref) <= TOL[torch.float32]
+    for name, a, b in zip(("x", "rw", "w12", "w3", "b12", "b3"), g, torch.autograd.grad(y_ref, d, dy.double())):
+        assert_nontrivial(a, name)
+        assert rel_rms(a, b) <= TOL[torch.float32], name
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+def test_bad_offsets_and_ids_raise_naming_the_argument():
+    x, _, ids, w12, w3, _, _ = make(E=4, T=10)
+    xs = torch.randn(20, x.shape[1])
+    good = torch.tensor([5, 10, 10, 20], dtype=torch.int32)
+    moe.grouped_experts(xs, good, w12, w3)
+    with pytest.raises(TypeError, match="offsets must be int32"):
+        moe.grouped_experts(xs, good.long(), w12, w3)
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        moe.grouped_experts(xs, torch.tensor([5, 3, 10, 20], dtype=torch.int32), w12, w3)
+    with pytest.raises(ValueError, match="offsets must end at x_sorted.shape"):
+        moe.grouped_experts(xs, torch.tensor([5, 10, 10, 19], dtype=torch.int32), w12, w3)
+    with pytest.raises(ValueError, match=r"offsets must have shape \(4,\)"):
+        moe.grouped_experts(xs, good[:3], w12, w3)
+    out_of_range = ids.clone()
+    out_of_range[3, 1] = 4
+    with pytest.raises(ValueError, match="top_k_index holds expert id 4, outside"):
+        moe.routed_experts(x, out_of_range, None, w12, w3)
+    with pytest.raises(ValueError, match="top_k_index holds expert id -1"):
+        moe.routed_experts(x, ids - 1, None, w12, w3)
+    with pytest.raises(TypeError, match="top_k_index must be an integer tensor"):
+        moe.routed_experts(x, ids.float(), None, w12, w3)
+    with pytest.raises(ValueError, match="top_k_weights must have shape"):
+        moe.routed_experts(x, ids, torch.rand(10, 3), w12, w3)
+    with pytest.raises(ValueError, match="w3 must have shape"):
+        moe.routed_experts(x, ids, None, w12, w3.transpose(1, 2))
+    with pytest.raises(ValueError, match="w12 must be"):
+        moe.routed_experts(x, ids, None, w12[:, :-1], w3)
+    with pytest.raises(ValueError, match="b12 must have shape"):
+        moe.routed_experts(x, ids, None, w12, w3, torch.zeros(4, 3))
+    with pytest.raises(TypeError, match="w3 must have the same dtype"):
+        moe.routed_experts(x, ids, None, w12, w3.double())
+    with pytest.raises(ValueError, match="activation must be one of"):
+        moe.routed_experts(x, ids, None, w12, w3, activation="swish")
+
+
+# ---- torch.compile -------------------------------------------------------------------------
+
+class TinyMoE(nn.Module):
+    """A router and E experts as packed 3-D parameters (the layout under test)."""
+
+    def __init__(self, D=32, I=16, E=4, K=2, spec=SILU, transposed=False, bias=False):
+        super().__init__()
+        self.router = nn.Linear(D, E, bias=False)
+        self.K, self.spec, self.transposed = K, spec, transposed
+        self.w12 = nn.Parameter(torch.randn((E, D, 2 * I) if transposed else (E, 2 * I, D)) * D ** -0.5)
+        self.w3 = nn.Parameter(torch.randn((E, I, D) if transposed else (E, D, I)) * I ** -0.5)
+        self.b12 = nn.Parameter(torch.randn(E, 2 * I) * 0.1) if bias else None
+        self.b3 = nn.Parameter(torch.randn(E, D) * 0.1) if bias else None
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 0.2)
+
+    def forward(self, x):
+        top, ids = self.router(x).topk(self.K, dim=-1)
+        return x + moe.routed_experts(x, ids, top.softmax(-1), self.w12, self.w3, self.b12, self.b3,
+                                      activation=self.spec, transposed=self.transposed)
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    from conftest import assert_compiled_matches_eager
+
+    torch.manual_seed(0)
+    model = TinyMoE(spec=GPT_OSS, transposed=True, bias=True)
+    assert_compiled_matches_eager(model, torch.randn(2, 9, 32, requires_grad=True), tol=1e-5)
+
+
+# ---- FSDP2 over the 3-D expert weights, meta-device init (2 gloo ranks) ----------------------
+
+def _stack(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(TinyMoE(spec=GPT_OSS, transposed=True, bias=True), TinyMoE())
+
+
+def _batch():
+    torch.manual_seed(1)
+    return torch.randn(4, 8, 32), torch.randn(4, 8, 32)
+
+
+def _train(model, x, target, grads_of, steps=2):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = (model(x) - target).pow(2).mean()
+        loss.backward()
+        out.append((loss.detach().clone(), grads_of(model)))
+        opt.step()
+    return out
+
+
+def fsdp2_case(rank, world, meta=False):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    if meta:
+        with torch.device("meta"):
+            model = _stack()
+    else:
+        model = _stack()
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    assert all(type(p).__name__ == "DTensor" for p in model.parameters())
+    if meta:
+        model.to_empty(device="cpu")
+        for block in model:
+            block.reset_parameters()
+        with torch.no_grad():
+            for p, full in zip(model.parameters(), _stack().parameters()):
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+    x, target = _batch()
+    half = x.shape[0] // world
+    x, target = x[rank * half:(rank + 1) * half], target[rank * half:(rank + 1) * half]
+
+    def full_grads(m):
+        return {n: p.grad.full_tensor().clone() for n, p in m.named_parameters()}
+
+    result = []
+    for loss, g in _train(model, x, target, full_grads):
+        dist.all_reduce(loss)
+        result.append((loss / world, g))
+    return result
+
+
+def fsdp2_meta_case(rank, world):
+    return fsdp2_case(rank, world, meta=True)
+
+
+def _run_case(case, rank, world):
+    return {"fsdp2": fsdp2_case, "fsdp2_meta": fsdp2_meta_case}[case](rank, world)
+
+
+@pytest.mark.parametrize("case", ["fsdp2", "fsdp2_meta"])
+def test_fsdp2_two_ranks_matches_one_process(case, tmp_path, monkeypatch):
+    model = _stack()
+    x, target = _batch()
+    ref = _train(model, x, target, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
+    results = rank_launcher.launch(_run_case, case, tmp_path, monkeypatch, 2, 120)
+    for result in results:
+        for (loss, g), (loss_ref, g_ref) in zip(result, ref):
+            torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
+            assert g.keys() == g_ref.keys()
+            for name in g_ref:
+                assert_nontrivial(g[name], name)
+                torch.testing.assert_close(g[name], g_ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_matches_fp64_reference_both_paths(dtype, monkeypatch):
+    for spec, transposed, bias in ((SILU, False, False), (GPT_OSS, True, True)):
+        inputs = make(dtype=dtype, transposed=transposed, bias=bias, T=301, E=8, device="cuda")
+        if dtype == torch.bfloat16:
+            assert moe.grouped_mm_runs(inputs[0], inputs[3], inputs[4])
+        assert_matches_reference(inputs, spec, transposed, dtype)
+        with monkeypatch.context() as m:
+            m.setattr(moe, "grouped_mm_runs", lambda *a: False)
+            assert_matches_reference(inputs, spec, transposed, dtype)
+
