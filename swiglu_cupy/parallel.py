@@ -68,6 +68,15 @@ __all__ = ["SwiGLUTensorParallel", "fsdp_shard_placement", "reject_distributed_w
 # Packed [gate; up] rows split into 2 halves, each sharded over the mesh.
 PACKED_ROWS = compat.StridedShard(0, split_factor=2)
 
+# torch 2.11's DTensor reads every _StridedShard as an encoded shard order and
+# cannot redistribute PACKED_ROWS (full_tensor() of w12 or its grad raises);
+# 2.12 falls back to plain strided-shard transforms.
+MIN_TORCH = (2, 12)
+
+
+def _torch_release() -> tuple[int, ...]:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def reject_distributed_weights(**weights) -> None:
     """Raise a TypeError if a weight passed to the fused op is a DTensor.
@@ -289,6 +298,11 @@ class SwiGLUTensorParallel(compat.TensorParallelStyle):
     def __init__(self, *, sequence_parallel: bool = False, sequence_dim: int = 1,
                  use_local_output: bool = True) -> None:
         super().__init__()
+        if _torch_release() < MIN_TORCH:
+            raise RuntimeError(
+                f"SwiGLUTensorParallel needs torch >= {'.'.join(map(str, MIN_TORCH))}, you have "
+                f"{torch.__version__}: older DTensor cannot redistribute the packed w12 weight's "
+                "_StridedShard placement, so full_tensor() of w12.weight and of its grad would fail.")
         for name, flag in (("sequence_parallel", sequence_parallel), ("use_local_output", use_local_output)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")

@@ -451,6 +451,11 @@ def test_ddp_reentrant_checkpoint_static_graph(tmp_path, monkeypatch):
         assert_matches(result, ref)
 
 
+# FSDP2 warns about a view output from torch 2.13 on (pytorch PR #181850);
+# 2.12 and older stay silent, so only the is_view checks apply there.
+FSDP2_WARNS_ON_VIEWS = torch.__version__ >= "2.13"
+
+
 def test_fsdp2_output_is_not_a_view(tmp_path, monkeypatch):
     """FSDP2 warns when a wrapped module returns a view; SwiGLU never does
     (3-D and 2-D inputs). The control module returns a view and must warn,
@@ -462,7 +467,8 @@ def test_fsdp2_output_is_not_a_view(tmp_path, monkeypatch):
             assert not r["is_view"], name
             assert not [w for w in r["warnings"] if "view" in w], (name, r["warnings"])
         assert result["control"]["is_view"]
-        assert any("view" in w for w in result["control"]["warnings"]), result["control"]["warnings"]
+        if FSDP2_WARNS_ON_VIEWS:
+            assert any("view" in w for w in result["control"]["warnings"]), result["control"]["warnings"]
 
 
 @pytest.mark.gpu

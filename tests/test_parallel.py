@@ -17,6 +17,7 @@ Also the torchrun worker of the GPU (nccl) test:
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ import rank_launcher
 import swiglu_cupy as sc
 from conftest import assert_nontrivial
 from swiglu_cupy.hf import patch_model
-from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement, reject_distributed_weights
+from swiglu_cupy.parallel import (MIN_TORCH, SwiGLUTensorParallel, fsdp_shard_placement,
+                                  reject_distributed_weights)
 
 D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
 BATCH, SEQ = 2, 4          # SEQ divisible by the TP size (sequence parallel)
@@ -40,6 +42,14 @@ RTOL = ATOL = 1e-5
 PARAMS = ("w12.weight", "w12.bias", "w3.weight", "w3.bias")
 SHARDED = ("w12.weight", "w3.weight")   # the biases are replicated over TP
 LR = 0.1
+
+# SwiGLUTensorParallel refuses older torch (its DTensor cannot redistribute
+# the packed w12); every test that parallelizes a block skips there, and
+# test_old_torch_gets_a_clear_error runs instead.
+MIN_TORCH_TEXT = ".".join(map(str, MIN_TORCH))
+OLD_TORCH = torch.__version__ < MIN_TORCH_TEXT
+needs_min_torch = pytest.mark.skipif(
+    OLD_TORCH, reason=f"SwiGLUTensorParallel needs torch >= {MIN_TORCH_TEXT}, this is {torch.__version__}")
 
 # The device cases run on: CPU for the spawned gloo ranks, the rank's GPU
 # under torchrun with nccl (set in _torchrun_main).
@@ -442,6 +452,14 @@ def tp_results(tmp_path_factory):
         return launch("tp", tmp_path_factory.mktemp("tp"), monkeypatch)
 
 
+@pytest.mark.skipif(not OLD_TORCH, reason=f"torch >= {MIN_TORCH_TEXT}: the TP tests run instead")
+def test_old_torch_gets_a_clear_error():
+    with pytest.raises(RuntimeError, match=re.escape(
+            f"SwiGLUTensorParallel needs torch >= {MIN_TORCH_TEXT}, you have {torch.__version__}")):
+        SwiGLUTensorParallel()
+
+
+@needs_min_torch
 def test_tensor_parallel_matches_one_process(tp_results):
     """TP=2, replicated input: output, dx and every parameter grad (full,
     canonical layout) with and without biases, with recompute_gate_up, and
@@ -449,6 +467,7 @@ def test_tensor_parallel_matches_one_process(tp_results):
     check_tp_results(tp_results, TP)
 
 
+@needs_min_torch
 def test_tensor_parallel_errors(tp_results):
     errors = tp_results[0]["errors"]
     assert errors["indivisible"].startswith("ValueError")
@@ -464,6 +483,7 @@ def test_tensor_parallel_errors(tp_results):
     assert errors["bad_sequence_dim"].startswith("ValueError") and "sequence_dim=2" in errors["bad_sequence_dim"]
 
 
+@needs_min_torch
 def test_sequence_parallel_matches_one_process(tmp_path, monkeypatch):
     """Input and output sharded on the sequence dim (dim 1 of [B, S, D], and
     dim 0 of [S, B, D] via sequence_dim=0): each rank's output and dx slice
@@ -475,6 +495,7 @@ def test_sequence_parallel_matches_one_process(tmp_path, monkeypatch):
             assert_block_matches(res[seq_dim], ref, lambda t, r=rank, d=seq_dim: t.chunk(TP, d)[r])
 
 
+@needs_min_torch
 def test_tensor_parallel_compiles_without_graph_breaks(tmp_path, monkeypatch):
     """fullgraph=True traces the TP block (collectives included) forward and
     backward, and gives the eager results."""
@@ -488,6 +509,7 @@ def test_tensor_parallel_compiles_without_graph_breaks(tmp_path, monkeypatch):
                 close(got["grads"][name], g, f"compiled grad {name}")
 
 
+@needs_min_torch
 def test_dcp_round_trips(tmp_path, monkeypatch):
     """DCP save at TP=2 stores the canonical [2H, D] w12 (in 2 chunks per
     rank) and loads into TP=2, into FSDP2, and into a plain module."""
@@ -522,6 +544,7 @@ def test_dcp_round_trips(tmp_path, monkeypatch):
         assert torch.equal(p.detach(), canonical[name]), name
 
 
+@needs_min_torch
 def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
     """4 ranks, mesh (dp=2, tp=2): FSDP2 over dp on top of TP; loss and every
     full grad for 2 SGD steps equal one process (test_distributed's model and
@@ -549,6 +572,7 @@ def test_fsdp2_on_tensor_parallel_2d(tmp_path, monkeypatch):
         assert torch.equal(state[name], p), name
 
 
+@needs_min_torch
 def test_plain_fully_shard_on_tensor_parallel_refuses_at_first_forward(tmp_path, monkeypatch):
     """4 ranks, mesh (dp=2, tp=2): FSDP2's default dim-0 split of the packed
     w12 would make full_tensor(), grads and state_dict permuted, so the first
@@ -568,6 +592,7 @@ def test_plain_fully_shard_on_tensor_parallel_refuses_at_first_forward(tmp_path,
             assert torch.equal(res["tp1_plain"]["state_full"][name], p), name
 
 
+@needs_min_torch
 @pytest.mark.gpu
 def test_tensor_parallel_nccl_torchrun(tmp_path):
     """The TP case on GPUs with nccl under torchrun (one GPU per rank; with a

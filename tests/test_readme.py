@@ -17,3 +17,30 @@ def test_ci_runs_the_readme_commands_in_a_fresh_venv():
     venv = next(i for i, line in enumerate(ci_lines) if line.startswith("python -m venv "))
     activate = next(i for i, line in enumerate(ci_lines) if line.startswith("source ") and "/bin/activate" in line)
     assert venv < activate < min(ci_lines.index(command) for command in first_block)
+
+
+def _release(version):
+    """'2.11' and '2.11.0' both -> (2, 11, 0)."""
+    parts = [int(p) for p in version.split(".")]
+    return tuple(parts + [0] * (3 - len(parts)))
+
+
+def test_ci_floor_run_pins_the_declared_minimums():
+    """The floor run of .ci/run installs exactly the minimum torch,
+    transformers and CuPy that pyproject.toml declares, so the declared floor
+    is a tested one; the README's tested-versions table names the same
+    versions."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    readme = (REPO / "README.md").read_text()
+    floor_install = [line for line in ci.splitlines()
+                     if 'pip install -e ".[' in line and "torch==" in line.split("#")[0]]
+    assert len(floor_install) == 1, floor_install
+    pins = dict(re.findall(r"\b(torch|transformers|cupy-cuda13x)==([\d.]+)", floor_install[0]))
+    for package in ("torch", "transformers", "cupy-cuda13x"):
+        declared = re.findall(rf'"{package}>=([\d.]+)"', pyproject)
+        assert len(declared) == 1, (package, declared)
+        assert _release(pins[package]) == _release(declared[0]), (package, pins[package], declared[0])
+        assert f"`{package}` | {pins[package]}" in readme, package
+    # torch goes in first on its own, pinned, as in the first run.
+    assert f"-m pip install torch=={pins['torch']}\n" in ci
