@@ -1,8 +1,9 @@
 """Host execution of the CUDA kernel sources.
 
-The expanded ``kernels_cu`` source (exactly the text NVRTC compiles) is built
-as host C++ by g++, with a small compatibility header that turns the grid into
-loops. ``HostLauncher`` implements the launcher interface, so the Python code
+The expanded ``kernels_cu`` source of each GLU variant (exactly the text
+NVRTC compiles) is built as host C++ by g++, one shared library per (dtype,
+variant) on first use, with a small compatibility header that turns the grid
+into loops. ``HostLauncher`` implements the launcher interface, so the Python code
 that picks vector widths, grids and arguments is the same as on a GPU.
 
 The kernels have no intra-block cooperation (no shared memory, no barriers),
@@ -17,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from .._cuda_headers import cuda_include_dirs, missing_header_hint
-from .._sources import compile_options, kernel_names, module_source
+from .._sources import DEFAULT_VARIANT, KernelVariant, compile_options, kernel_names, module_source, variant_of_kernel
 
 _COMPAT_HEADER = r"""
 // Host-side stand-ins for the CUDA execution model (forced include).
@@ -42,6 +44,8 @@ _COMPAT_HEADER = r"""
 #define __forceinline__ inline
 #undef __launch_bounds__
 #define __launch_bounds__(...)
+#undef __noinline__
+#define __noinline__ __attribute__((noinline))
 static thread_local uint3 threadIdx, blockIdx;
 static thread_local dim3 blockDim, gridDim;
 """
@@ -87,18 +91,18 @@ def _cache_dir() -> Path:
     return root
 
 
-def host_source() -> str:
-    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for n in kernel_names())
-    return f"{module_source()}\n{_LAUNCHER_TEMPLATE}\n{wrappers}"
+def host_source(variant: KernelVariant = DEFAULT_VARIANT) -> str:
+    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for n in kernel_names(variant))
+    return f"{module_source(variant)}\n{_LAUNCHER_TEMPLATE}\n{wrappers}"
 
 
-def build_library(dtype: torch.dtype) -> Path:
-    """Compile the kernel module for one dtype into a shared library (cached
-    by the hash of everything that goes into it)."""
+def build_library(dtype: torch.dtype, variant: KernelVariant = DEFAULT_VARIANT) -> Path:
+    """Compile one variant's kernel module for one dtype into a shared library
+    (cached by the hash of everything that goes into it)."""
     includes = cuda_include_dirs()
     if not any((d / "cuda_fp16.h").is_file() for d in includes):
         raise RuntimeError(missing_header_hint("cuda_fp16.h"))
-    source = host_source()
+    source = host_source(variant)
     defines = [o for o in compile_options(dtype) if o.startswith("-D")]
     flags = ["-x", "c++", "-std=c++17", "-O2", "-fPIC", "-shared", "-w",
              *defines, *(f"-I{d}" for d in includes)]
@@ -113,7 +117,7 @@ def build_library(dtype: torch.dtype) -> Path:
     cmd = [compiler(), *flags, "-include", str(work / "compat.h"), str(work / "kernel.cpp"), "-o", str(tmp_out)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        raise RuntimeError(f"host build of the kernels ({dtype}) failed:\n{' '.join(cmd)}\n{proc.stderr}")
+        raise RuntimeError(f"host build of the kernels ({dtype}, {variant}) failed:\n{' '.join(cmd)}\n{proc.stderr}")
     os.replace(tmp_out, out)  # atomic: concurrent builders never see half a file
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -123,24 +127,29 @@ class HostLauncher:
     """Launcher that runs kernels on the CPU, on torch CPU tensors."""
 
     def __init__(self) -> None:
-        self._libs: dict[torch.dtype, ctypes.CDLL] = {}
+        self._libs: dict[tuple[torch.dtype, KernelVariant], ctypes.CDLL] = {}
         self._lock = threading.Lock()
         self.launches: list[tuple[str, tuple, tuple]] = []  # (name, grid, block), for tests
 
-    def _library(self, dtype: torch.dtype) -> ctypes.CDLL:
-        with self._lock:
-            if dtype not in self._libs:
-                self._libs[dtype] = ctypes.CDLL(str(build_library(dtype)))
-            return self._libs[dtype]
+    def _library(self, dtype: torch.dtype, variant: KernelVariant) -> ctypes.CDLL:
+        key = (dtype, variant)
+        lib = self._libs.get(key)
+        if lib is None:
+            path = build_library(dtype, variant)  # outside the lock: builds may run in parallel
+            with self._lock:
+                lib = self._libs.setdefault(key, ctypes.CDLL(str(path)))
+        return lib
 
-    def warm(self, dtypes: Sequence[torch.dtype]) -> None:
-        for dtype in dtypes:
-            self._library(dtype)
+    def warm(self, dtypes: Sequence[torch.dtype], variants: Sequence[KernelVariant] = (DEFAULT_VARIANT,)) -> None:
+        """Build the libraries of ``dtypes`` x ``variants`` now, one g++ per core."""
+        keys = [(d, v) for d in dtypes for v in variants]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(keys), os.cpu_count() or 1))) as pool:
+            list(pool.map(lambda key: self._library(*key), keys))
 
     def launch(self, name, dtype, device, grid, block, args):
         if torch.device(device).type != "cpu":
             raise ValueError(f"HostLauncher runs CPU tensors only, got device {device}")
-        lib = self._library(dtype)
+        lib = self._library(dtype, variant_of_kernel(name))
         # Each argument lives in its own C object; params holds their addresses,
         # exactly like cuLaunchKernel's kernelParams.
         holders = []
@@ -151,6 +160,8 @@ class HostLauncher:
                 holders.append(ctypes.c_int64(int(a)))
             elif isinstance(a, np.float32):
                 holders.append(ctypes.c_float(float(a)))
+            elif isinstance(a, np.float64):
+                holders.append(ctypes.c_double(float(a)))
             else:
                 raise TypeError(f"kernel arguments must be numpy-typed scalars, got {type(a).__name__}")
         params = (ctypes.c_void_p * len(holders))(*[ctypes.addressof(h) for h in holders])
