@@ -11,7 +11,8 @@ from .api import glu_mul, silu_mul, swiglu, swiglu_unpacked
 from .functions import SiluMulFunction, SwiGLUFunction
 from .reference import glu_ffn_reference, glu_reference, silu_mul_reference, swiglu_reference
 from .module import SwiGLU
+from .patching import PatchReport, patch
 
 __all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",
            "swiglu_reference", "silu_mul", "silu_mul_reference", "glu_mul", "glu_reference",
-           "glu_ffn_reference", "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup"]
+           "glu_ffn_reference", "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup", "patch", "PatchReport"]
