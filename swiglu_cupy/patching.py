@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -390,11 +391,24 @@ def _placement(module: nn.Module, others: list[str], down: str):
     return tuple(mid), tuple(post), None
 
 
+def _takes_one_input(module: nn.Module) -> bool:
+    """Its forward can be called with one tensor (a feed-forward's signature)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    required = [p for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return bool(params) and len(required) <= 1
+
+
 def generic_candidates(module: nn.Module) -> Candidates | None:
     """Any names: two linear-like children ``packed [2H, D]`` and ``down
     [O, H]``, or three, ``gate``/``up`` ``[H, D]`` and ``down [O, H]``; an
     optional activation child; dropout/norm children. All role assignments
     the shapes allow become plans; the probe picks."""
+    if not _takes_one_input(module):
+        return None  # attention and other multi-input modules
     mods = {n: m for n, m in module._modules.items() if m is not None}
     shapes = {n: _shape(m) for n, m in mods.items()}
     lins = [n for n, s in shapes.items() if s is not None and s[1] is not None]
