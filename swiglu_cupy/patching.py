@@ -567,8 +567,9 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
             return None, "dropout placement differs from its forward in training mode"
         return plan, None
     kinds = sorted({str(p.activation) for p in cands.plans})
-    return None, (f"probe mismatch: its forward is not down(act(gate) * up) for the roles its names "
-                  f"state and {', '.join(kinds)}" if cands.named else
+    roles = cands.plans[0].describe().split(" -> ")[0]
+    return None, (f"probe mismatch: its forward is not down(act(gate) * up) with the roles its names "
+                  f"state ({roles}) and {', '.join(kinds)}" if cands.named else
                   f"probe mismatch: no role assignment and known activation reproduces its forward")
 
 
@@ -615,10 +616,12 @@ def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
     if odd:
         why.append(f"{'/'.join(odd)} not plain nn.Linear ({type(mods[odd[0]]).__name__}: LoRA, quantized "
                    "or hooked) run as themselves")
-    active = [n for n in plan.mid if not _is_noop(mods[n])]
-    if active:
-        why.append(f"{'/'.join(active)} between the product and {plan.down} "
-                   "(a norm, or dropout in training) runs as itself")
+    for n in plan.mid:
+        m = mods[n]
+        if not _is_noop(m):
+            what = f"{type(m).__name__} p={m.p:g} in training" if isinstance(m, nn.modules.dropout._DropoutNd) \
+                else type(m).__name__
+            why.append(f"{n} ({what}) between the product and {plan.down} runs as itself")
     if not why and global_module_hooks_active():
         why.append("global module hooks are registered")
     return f"{plan.activation}; " + "; ".join(why)
@@ -626,7 +629,7 @@ def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
 
 def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -> None:
     plan = module.swiglu_plan
-    report.classes[path] = type(module).__name__
+    report.classes[path] = module._swiglu_base.__name__
     if module.fusion() == "mlp":
         report.fused[path] = f"{plan.activation}: {plan.describe()}{note}"
     else:
