@@ -17,7 +17,8 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from ._sources import compile_options, kernel_names, module_source
+from ._sources import compile_options, kernel_names, kernel_variant, module_source, variant_of_kernel
+from .activations import resolve_activation
 
 INSTALL_HINT = "pip install 'swiglu-cupy[cuda12]' or 'swiglu-cupy[cuda13]'"
 
@@ -77,12 +78,13 @@ class CupyLauncher:
     torch's current stream.
 
     Functions are cached per (device, dtype, kernel); one RawModule is built per
-    (device, dtype). A lock makes concurrent first calls compile once.
+    (device, dtype, GLU variant), on the first launch of one of its kernels.
+    A lock makes concurrent first calls compile once.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._modules: dict[tuple[int, torch.dtype], object] = {}
+        self._modules: dict[tuple, object] = {}
         self._functions: dict[tuple[int, torch.dtype, str], object] = {}
         self._streams: dict[tuple[int, int], object] = {}
         self.compile_count = 0  # modules built; observable by tests and `info`
@@ -100,13 +102,12 @@ class CupyLauncher:
 
     def _load(self, name: str, dtype: torch.dtype, device_index: int):
         cupy = import_cupy()
-        if name not in kernel_names():
-            raise ValueError(f"unknown kernel {name!r}; the module defines {kernel_names()}")
-        module_key = (device_index, dtype)
+        variant = variant_of_kernel(name)  # ValueError for an unknown name
+        module_key = (device_index, dtype, variant)
         with cupy.cuda.Device(device_index):
             module = self._modules.get(module_key)
             if module is None:
-                module = cupy.RawModule(code=module_source(), options=compile_options(dtype))
+                module = cupy.RawModule(code=module_source(variant), options=compile_options(dtype))
                 self.compile_count += 1
             try:
                 # .kernel compiles (or reads CuPy's disk cache, which checks a
@@ -114,11 +115,11 @@ class CupyLauncher:
                 # into this device's context.
                 kernel = module.get_function(name).kernel
             except OSError as exc:  # the cache directory is unwritable or broken
-                module, kernel = self._load_without_disk_cache(cupy, name, dtype, exc)
+                module, kernel = self._load_without_disk_cache(cupy, name, dtype, variant, exc)
             self._modules[module_key] = module
             return kernel
 
-    def _load_without_disk_cache(self, cupy, name: str, dtype: torch.dtype, error: OSError):
+    def _load_without_disk_cache(self, cupy, name: str, dtype: torch.dtype, variant, error: OSError):
         warnings.warn(
             f"swiglu-cupy: CuPy's kernel cache directory is not usable ({error}); compiling in "
             "memory instead. Set CUPY_CACHE_DIR to a writable directory to keep compiled kernels.",
@@ -126,7 +127,7 @@ class CupyLauncher:
         previous = os.environ.get("CUPY_CACHE_IN_MEMORY")
         os.environ["CUPY_CACHE_IN_MEMORY"] = "1"  # read by CuPy at each compile
         try:
-            module = cupy.RawModule(code=module_source(), options=compile_options(dtype))
+            module = cupy.RawModule(code=module_source(variant), options=compile_options(dtype))
             return module, module.get_function(name).kernel
         finally:
             if previous is None:
@@ -191,19 +192,25 @@ def cuda_kernels_available() -> bool:
         return False
 
 
-def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32)) -> int:
-    """Compile and load every kernel for ``device`` and ``dtypes`` now, e.g.
-    before CUDA graph capture (no module may load during capture). Returns
-    the number of kernels ready."""
+def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32), activations=("silu",)) -> int:
+    """Compile and load every kernel for ``device``, ``dtypes`` and the GLU
+    variants of ``activations`` (names or ``GLUActivation`` specs; specs that
+    differ only in limit, alpha or up_offset share one compiled variant) now,
+    e.g. before CUDA graph capture (no module may load during capture).
+    Returns the number of kernels ready."""
     device = torch.device("cuda" if device is None else device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
+    if isinstance(activations, str) or not hasattr(activations, "__iter__"):
+        raise TypeError(f"activations must be a sequence of names or GLUActivation specs, got {activations!r}")
+    variants = dict.fromkeys(kernel_variant(resolve_activation(a)) for a in activations)
     index = device_index(device)
     launcher = cupy_launcher()
     count = 0
     for dtype in dtypes:
-        for name in kernel_names():
-            launcher.function(name, dtype, index)
-            count += 1
+        for variant in variants:
+            for name in kernel_names(variant):
+                launcher.function(name, dtype, index)
+                count += 1
     launcher._stream(index)
     return count

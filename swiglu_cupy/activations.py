@@ -80,12 +80,19 @@ def deepseek_v4(limit: float) -> GLUActivation:
     return GLUActivation("silu", limit=limit)
 
 
+# One spec per name, built once: resolving sits on every call's host path.
+_NAMED = {kind: SILU if kind == "silu" else GLUActivation(kind) for kind in KINDS}
+
+
 def resolve_activation(activation) -> GLUActivation:
     """A ``GLUActivation`` from a spec or a plain form's name."""
-    if isinstance(activation, GLUActivation):
+    if activation.__class__ is GLUActivation:
         return activation
     if isinstance(activation, str):
-        if activation not in KINDS:
+        spec = _NAMED.get(activation)
+        if spec is None:
             raise ValueError(f"activation must be one of {KINDS} or a GLUActivation, got {activation!r}")
-        return GLUActivation(activation)
+        return spec
+    if isinstance(activation, GLUActivation):
+        return activation
     raise TypeError(f"activation must be a str or a GLUActivation, got {type(activation).__name__}")

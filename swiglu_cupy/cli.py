@@ -8,21 +8,25 @@ import sys
 import time
 
 from ._sources import DEFAULT_ARCHS
+from .activations import KINDS
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
+    from ._sources import VARIANTS
     from .compile_check import CompileError, compile_matrix, format_table
 
     start = time.perf_counter()
+    variants = tuple(v for v in VARIANTS if args.kind is None or v.kind in args.kind)
     try:
-        reports = compile_matrix(archs=args.arch)
+        reports = compile_matrix(archs=args.arch, variants=variants)
     except CompileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     elapsed = time.perf_counter() - start
     print(format_table(reports))
     spilled = [r for r in reports if r.spills]
-    print(f"\ncompiled {len(reports)} kernels for {', '.join(args.arch)} in {elapsed:.2f} s "
+    print(f"\ncompiled {len(reports)} kernels ({len(variants)} GLU variants) for {', '.join(args.arch)} "
+          f"in {elapsed:.2f} s "
           f"(NVRTC, no GPU needed); spills: {len(spilled)}")
     for r in spilled:
         print(f"SPILL: {r.kernel} [{r.dtype}, {r.arch}] stores={r.spill_store_bytes} "
@@ -52,10 +56,13 @@ def _cmd_selftest(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m swiglu_cupy")
     sub = parser.add_subparsers(dest="command", required=True)
-    comp = sub.add_parser("compile", help="compile every kernel x dtype with NVRTC (no GPU needed), "
-                                          "report registers and spills; exit 1 on spills")
+    comp = sub.add_parser("compile", help="compile every kernel x dtype x GLU variant with NVRTC (no GPU "
+                                          "needed), report registers and spills; exit 1 on spills")
     comp.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS),
                       help="GPU architectures, e.g. sm_80 sm_90 sm_100")
+    comp.add_argument("--kind", nargs="+", default=None, choices=KINDS,
+                      help="only these activation kinds' variants (each with and without the clamp, both "
+                           "layouts); default: every kind")
     comp.set_defaults(func=_cmd_compile)
 
     info = sub.add_parser("info", help="explain the setup: versions, CuPy/NVRTC state, cache dir, "

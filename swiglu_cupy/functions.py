@@ -7,6 +7,9 @@ Weight layout (xformers' packed ``w12``, Phi-3's ``gate_up_proj``):
     w3  [O, H]    down projection
     b3  [O] or None
     y = (silu(x @ w1.T + b1) * (x @ w2.T + b2)) @ w3.T + b3
+The GLU variant (``activation``, a ``GLUActivation``) replaces silu, adds
+its clamps, and with ``interleaved`` the rows of w12 (and columns of x12)
+alternate gate/up: ``[g0, u0, g1, u1, ...]``.
 
 ``SwiGLUFunction`` is only ever called through ``.apply()``: its forward
 always saves the same tensors (x, w12, w3 and x12, never h), whatever
@@ -66,11 +69,14 @@ class SwiGLUFunction(_LeanApplyFunction):
     (5 with separate gate/up weights: dx takes one per half) + one
     elementwise pass.
 
-    ``apply(x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward,
-    inference) -> (y, x12)`` (all ten positional and required; ``swiglu``
-    and ``swiglu_unpacked`` are the public entry points and return ``y``):
+    ``apply(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up,
+    inplace_backward, inference) -> (y, x12)`` (all eleven positional and
+    required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
+    and return ``y``):
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
       and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
+    - ``activation``: a ``GLUActivation`` (``swiglu_cupy.activations.SILU``
+      for SwiGLU); separate weights take halves-layout specs only.
     - ``recompute_gate_up``: save only x and recompute x12 in backward (one
       extra GEMM, D instead of D + 2H saved elements per token).
     - ``inplace_backward``: write dx12 over the saved x12 (one [M, 2H] buffer
@@ -84,12 +90,12 @@ class SwiGLUFunction(_LeanApplyFunction):
     """
 
     @staticmethod
-    def forward(x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward, inference):
-        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, inference, _gemm.functional(x))
+    def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference):
+        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w1, b1, w2, b2, w3, b3, recompute_gate_up, inplace_backward, inference = inputs
+        x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference = inputs
         ctx.mark_non_differentiable(output[1])
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
@@ -97,6 +103,7 @@ class SwiGLUFunction(_LeanApplyFunction):
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
         else:
             ctx.save_for_backward(x, w1, w2, w3, output[1])
+        ctx.activation = activation
         ctx.recompute_gate_up = recompute_gate_up
         ctx.inplace_backward = inplace_backward
         ctx.backward_done = False
@@ -123,7 +130,7 @@ class SwiGLUFunction(_LeanApplyFunction):
         # In-place reuse is always safe for the recomputed x12 (nobody else
         # holds it), but not under torch.func, where dh may carry a vmap batch.
         inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not ops.is_transformed(dh)
-        dx12, h = ops.backward(x12, dh, inplace)                           # one fused pass
+        dx12, h = ops.backward(x12, dh, inplace, ctx.activation)          # one fused pass
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
         H = dh.shape[1]
         if need_x:
@@ -138,14 +145,14 @@ class SwiGLUFunction(_LeanApplyFunction):
             dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *modes):
-        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), modes)
+    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *spec_and_modes):
+        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), spec_and_modes)
 
 
-def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool, is_functional: bool):
+def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool):
     """The forward's computation: (y, x12). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
@@ -153,7 +160,7 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, inference: bool, is_functiona
     graph, so the Function has no job there)."""
     flat = x.dim() == 2
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
-    h = ops.forward_inplace(x12) if inference else ops.forward(x12)
+    h = ops.forward_inplace(x12, activation) if inference else ops.forward(x12, activation)
     return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
 
 
@@ -174,30 +181,33 @@ def _swiglu_vmap_rule(info, in_dims, tensors, modes):
 
 
 class SiluMulFunction(_LeanApplyFunction):
-    """``h = silu(gate) * up`` for two tensors of one shape ``[..., H]``: one
-    fused kernel each way (fp32 math, one rounding). Saves its two inputs
-    only, whatever requires grad. Apply-only, like SwiGLUFunction."""
+    """``h = act(gate) * up`` (silu for SwiGLU) for two tensors of one shape
+    ``[..., H]``: one fused kernel each way (fp32 math, one rounding). Saves
+    its two inputs only, whatever requires grad. Apply-only, like
+    SwiGLUFunction: ``apply(gate, up, activation)`` with a halves-layout
+    ``GLUActivation``."""
 
     @staticmethod
-    def forward(gate, up):
-        return ops.silu_mul_forward(_rows(gate), _rows(up)).view(gate.shape)
+    def forward(gate, up, activation):
+        return ops.silu_mul_forward(_rows(gate), _rows(up), activation).view(gate.shape)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs)
+        ctx.save_for_backward(*inputs[:2])
+        ctx.activation = inputs[2]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dgate, dup = ops.silu_mul_backward(_rows(gate), _rows(up), _rows(dh))
-        return dgate.view(gate.shape), dup.view(up.shape)
+        dgate, dup = ops.silu_mul_backward(_rows(gate), _rows(up), _rows(dh), ctx.activation)
+        return dgate.view(gate.shape), dup.view(up.shape), None
 
     @staticmethod
-    def vmap(info, in_dims, gate, up):
+    def vmap(info, in_dims, gate, up, activation):
         # Elementwise: give both the batch dim in front; the rows fold into one launch.
         batched = [ops.batch_first(info, t, d) for t, d in zip((gate, up), in_dims)]
-        return SiluMulFunction.apply(*batched), 0
+        return SiluMulFunction.apply(*batched, activation), 0
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

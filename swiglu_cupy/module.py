@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .activations import resolve_activation
 from .api import swiglu
 
 
@@ -20,19 +21,25 @@ def _registered(module: nn.Module, registry: str, name: str):
 
 
 class SwiGLU(nn.Module):
-    """SwiGLU feed-forward block: ``w3(silu(gate(x)) * up(x))``.
+    """SwiGLU feed-forward block: ``w3(silu(gate(x)) * up(x))``, or another
+    GLU variant with ``activation=`` (a plain form's name such as
+    ``"gelu_tanh"``, or a ``GLUActivation``; kept as the ``activation``
+    attribute, shown by ``repr``, never a state_dict entry).
 
     Holds ``w12 = nn.Linear(in_features, 2 * hidden_features)`` (gate rows
     first, then up rows) and ``w3 = nn.Linear(hidden_features, out_features)``,
     so its state_dict keys are ``w12.weight``, ``w12.bias``, ``w3.weight`` and
     ``w3.bias``: the layout of xformers' packed ``SwiGLU``.
 
+    With an interleaved activation (``GPT_OSS``) the rows of ``w12`` alternate
+    gate/up: ``[g0, u0, g1, u1, ...]``.
+
     ``recompute_gate_up=True`` saves only x for backward (one extra GEMM);
     ``inplace_backward=True`` reuses the saved x12 for dx12 (single backward).
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
-                 bias: bool = True, device=None, dtype=None, *,
+                 bias: bool = True, device=None, dtype=None, *, activation="silu",
                  recompute_gate_up: bool = False, inplace_backward: bool = False) -> None:
         super().__init__()
         for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
@@ -42,6 +49,7 @@ class SwiGLU(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         out_features = in_features if out_features is None else out_features
+        self.activation = resolve_activation(activation)
         self.recompute_gate_up, self.inplace_backward = recompute_gate_up, inplace_backward
         self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
         self.w12 = nn.Linear(in_features, 2 * hidden_features, bias=bias, device=device, dtype=dtype)
@@ -64,19 +72,21 @@ class SwiGLU(nn.Module):
         w12, w3 = _registered(self, "_modules", "w12"), _registered(self, "_modules", "w3")
         return swiglu(x, _registered(w12, "_parameters", "weight"), _registered(w12, "_parameters", "bias"),
                       _registered(w3, "_parameters", "weight"), _registered(w3, "_parameters", "bias"),
-                      recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
+                      activation=self.activation, recompute_gate_up=self.recompute_gate_up,
+                      inplace_backward=self.inplace_backward)
 
     @classmethod
     def from_gate_up_down(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, **kwargs) -> "SwiGLU":
         """Build the block from separate Hugging Face style projections.
 
         Computes ``down(silu(gate(x)) * up(x))``: ``w12.weight = cat([gate.weight,
-        up.weight])`` (gate rows first), ``w12.bias`` likewise, ``w3 = down``.
+        up.weight])`` (gate rows first; with an interleaved ``activation``
+        the rows alternate gate/up), ``w12.bias`` likewise, ``w3 = down``.
         The new module holds copies (the sources are not modified) on the
         sources' device and dtype, with their ``requires_grad``. ``gate`` and
         ``up`` must both have a bias or neither; ``down`` may differ (then
         ``w3.bias`` is None). ``kwargs`` go to the constructor
-        (``recompute_gate_up``, ``inplace_backward``).
+        (``activation``, ``recompute_gate_up``, ``inplace_backward``).
         """
         for name, lin in (("gate", gate), ("up", up), ("down", down)):
             if not isinstance(lin, nn.Linear):
@@ -111,10 +121,11 @@ class SwiGLU(nn.Module):
                              f"on requires_grad, got {gate.bias.requires_grad} and {up.bias.requires_grad}")
         # Built on the meta device (no init cost), then given the real values.
         module = cls(D, H, dw.shape[0], bias=gate.bias is not None, device="meta", dtype=gw.dtype, **kwargs)
+        pack = _interleave if module.activation.interleaved else torch.cat
         with torch.no_grad():
-            module.w12.weight = nn.Parameter(torch.cat([gw.detach(), uw.detach()]), gw.requires_grad)
+            module.w12.weight = nn.Parameter(pack([gw.detach(), uw.detach()]), gw.requires_grad)
             if gate.bias is not None:
-                module.w12.bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]),
+                module.w12.bias = nn.Parameter(pack([gate.bias.detach(), up.bias.detach()]),
                                                gate.bias.requires_grad)
             module.w3.weight = nn.Parameter(dw.detach().clone(), dw.requires_grad)
             module.w3.bias = (None if down.bias is None
@@ -128,6 +139,8 @@ class SwiGLU(nn.Module):
         ``requires_grad``."""
         H, D, O = self.hidden_features, self.in_features, self.out_features
         w12, b12, w3, b3 = self.w12.weight, self.w12.bias, self.w3.weight, self.w3.bias
+        if self.activation.interleaved:  # gate rows first below
+            w12, b12 = _deinterleave(w12), None if b12 is None else _deinterleave(b12)
         kw = {"device": "meta", "dtype": w12.dtype}
         gate = nn.Linear(D, H, bias=b12 is not None, **kw)
         up = nn.Linear(D, H, bias=b12 is not None, **kw)
@@ -145,4 +158,16 @@ class SwiGLU(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
-                f"out_features={self.out_features}, bias={self.w12.bias is not None}")
+                f"out_features={self.out_features}, bias={self.w12.bias is not None}, "
+                f"activation={self.activation}")
+
+
+def _interleave(halves: list[torch.Tensor]) -> torch.Tensor:
+    """[gate, up] ([H, ...] each) as the interleaved [2H, ...] rows g0, u0, g1, u1, ..."""
+    gate, up = halves
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved [2H, ...] rows back to [gate; up] halves."""
+    return torch.cat([t[0::2], t[1::2]])

@@ -255,9 +255,10 @@ class _TensorParallelForward:
             # Replicated [2H]: this rank's [gate_r; up_r] slice (2H/tp values);
             # its grad covers only that slice, summed over the ranks.
             b12 = b12.to_local(grad_placements=[Partial()])
-            b12 = torch.cat([b12[self._tp_gate_rows], b12[self._tp_up_rows]])
+            b12 = torch.cat([b12[rows] for rows in self._tp_bias_rows])
         y = swiglu(x_local, self.w12.weight.to_local(), b12, self.w3.weight.to_local(), None,
-                   recompute_gate_up=self.recompute_gate_up, inplace_backward=self.inplace_backward)
+                   activation=self.activation, recompute_gate_up=self.recompute_gate_up,
+                   inplace_backward=self.inplace_backward)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, layout)
         b3 = self.w3.bias  # added once, to the reduced output
         if not self._tp_use_local_output:
@@ -333,7 +334,9 @@ class SwiGLUTensorParallel(compat.TensorParallelStyle):
                     "parallelized before (ColwiseParallel/RowwiseParallel, an HF tp_plan, or "
                     "SwiGLUTensorParallel twice). Apply SwiGLUTensorParallel once, to the "
                     "unparallelized module.")
-        placements = {"w12.weight": PACKED_ROWS, "w12.bias": Replicate(),
+        # Interleaved rows [g0, u0, g1, u1, ...] shard by whole pairs: a plain row shard.
+        interleaved = module.activation.interleaved
+        placements = {"w12.weight": Shard(0) if interleaved else PACKED_ROWS, "w12.bias": Replicate(),
                       "w3.weight": Shard(1), "w3.bias": Replicate()}
         for name, placement in placements.items():
             linear, attr = getattr(module, name.split(".")[0]), name.split(".")[1]
@@ -344,8 +347,8 @@ class SwiGLUTensorParallel(compat.TensorParallelStyle):
             setattr(linear, attr, nn.Parameter(dt, requires_grad=p.requires_grad))
         module._tp_mesh = device_mesh
         rows, rank = H // tp, device_mesh.get_local_rank()
-        module._tp_gate_rows = slice(rank * rows, (rank + 1) * rows)
-        module._tp_up_rows = slice(H + rank * rows, H + (rank + 1) * rows)
+        module._tp_bias_rows = ((slice(2 * rank * rows, 2 * (rank + 1) * rows),) if interleaved else
+                                (slice(rank * rows, (rank + 1) * rows), slice(H + rank * rows, H + (rank + 1) * rows)))
         module._tp_sequence_dim = self.sequence_dim if self.sequence_parallel else None
         module._tp_use_local_output = self.use_local_output
         module._tp_fsdp_checked = False

@@ -29,7 +29,7 @@ from torch import nn
 from ._sources import SUPPORTED_DTYPES
 from .api import swiglu, swiglu_unpacked
 
-__all__ = ["SwiGLUPackedFusedOp", "SwiGLUFusedOp", "patch_xformers"]
+__all__ = ["SwiGLUPackedFusedOp", "SwiGLUFusedOp", "patch_xformers", "patch_xformers_module"]
 
 
 def _stacked_rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -110,24 +110,35 @@ def _xformers_swiglu_class():
     return getattr(module, "SwiGLU", None)
 
 
+def patch_xformers_module(module: nn.Module) -> str | None:
+    """If ``module`` is an ``xformers.ops.SwiGLU``, set its ``.op`` to ours
+    and say which (the note :func:`swiglu_cupy.patch` reports); else None."""
+    swiglu_class = _xformers_swiglu_class()
+    if swiglu_class is None or not isinstance(module, swiglu_class):
+        return None
+    op = SwiGLUPackedFusedOp if module.w12 is not None else SwiGLUFusedOp
+    already = getattr(module, "op", None) is op
+    module.op = op
+    return f"xformers.ops.SwiGLU, op={op!r}" + (" (already fused)" if already else "")
+
+
 def patch_xformers(model: nn.Module, strict: bool = False) -> int:
     """Set ``.op`` on every ``xformers.ops.SwiGLU`` in ``model`` (the model
     itself included) and return how many were set: packed modules (the
     default) get :data:`SwiGLUPackedFusedOp`, ``_pack_weights=False`` ones
     :data:`SwiGLUFusedOp`. Weights, parameter names and state_dict stay
-    xformers'. ``strict=True`` raises ``ValueError`` if there was none."""
+    xformers'. ``strict=True`` raises ``ValueError`` if there was none.
+
+    The narrow entry for xformers modules; :func:`swiglu_cupy.patch` does
+    this and fuses every other GLU feed-forward too (DINOv2's ``SwiGLUFFN``
+    under ``XFORMERS_DISABLED=1``, timm, Hugging Face), with a report."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    swiglu_class = _xformers_swiglu_class()
-    patched = 0
-    if swiglu_class is not None:
-        for module in model.modules():
-            if isinstance(module, swiglu_class):
-                module.op = SwiGLUPackedFusedOp if module.w12 is not None else SwiGLUFusedOp
-                patched += 1
+    patched = sum(patch_xformers_module(module) is not None for module in model.modules())
     if strict and patched == 0:
         why = ("xformers is not imported, so the model holds no xformers.ops.SwiGLU"
-               if swiglu_class is None else f"{type(model).__name__} contains no xformers.ops.SwiGLU")
-        raise ValueError(f"patch_xformers(strict=True): nothing to patch: {why}. For Hugging Face "
-                         "style MLPs (gate_proj/up_proj/down_proj) use swiglu_cupy.hf.patch_model.")
+               if _xformers_swiglu_class() is None else f"{type(model).__name__} contains no xformers.ops.SwiGLU")
+        raise ValueError(f"patch_xformers(strict=True): nothing to patch: {why}. For any other GLU "
+                         "feed-forward (DINOv2's SwiGLUFFN with XFORMERS_DISABLED=1, timm, Hugging Face) "
+                         "use swiglu_cupy.patch(model), which reports what it found.")
     return patched

@@ -1,5 +1,8 @@
-"""NVRTC compile matrix without a GPU: every kernel x dtype x arch compiles,
-uses no spills, and the vector kernels really issue 16-byte accesses."""
+"""NVRTC compile matrix without a GPU: every kernel x dtype x GLU variant
+compiles for sm_90 (SwiGLU's for every arch; ``python -m swiglu_cupy compile``
+covers every variant for every arch), uses no spills, and the vector kernels
+really issue 16-byte accesses (interleaved ones included)."""
+import os
 import re
 import subprocess
 import sys
@@ -8,21 +11,37 @@ import pytest
 import torch
 
 from swiglu_cupy import compile_check
-from swiglu_cupy._sources import SUPPORTED_DTYPES, kernel_names
+from swiglu_cupy._sources import DEFAULT_VARIANT, SUPPORTED_DTYPES, VARIANTS, kernel_names
 from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
+ALL_VARIANTS_ARCH = "sm_90"  # every variant here; its PTX is checked below
 
 
 @pytest.fixture(scope="module")
-def matrix():
-    return compile_check.compile_matrix(archs=ARCHS)
+def sm90_modules():
+    """(variant, dtype) -> (reports, ptx) for sm_90: one NVRTC compile each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(v, d) for v in VARIANTS for d in SUPPORTED_DTYPES]
+    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        done = pool.map(lambda job: compile_check.compile_module_with_ptx(job[1], ALL_VARIANTS_ARCH, job[0]), jobs)
+        return {job: (reports, ptx) for job, (reports, _, ptx) in zip(jobs, done)}
+
+
+@pytest.fixture(scope="module")
+def matrix(sm90_modules):
+    other_archs = [a for a in ARCHS if a != ALL_VARIANTS_ARCH]
+    return (compile_check.compile_matrix(archs=other_archs, variants=(DEFAULT_VARIANT,))
+            + [r for reports, _ in sm90_modules.values() for r in reports])
 
 
 def test_every_kernel_dtype_and_arch_compiles_without_spills(matrix):
-    """Every launch candidate's kernel (all packs-per-thread instances)."""
+    """Every launch candidate's kernel (all packs-per-thread instances) of
+    every GLU variant for sm_90, and SwiGLU's for every arch."""
     seen = {(r.kernel, r.dtype, r.arch) for r in matrix}
     expected = {(k, d, a) for k in kernel_names() for d in SUPPORTED_DTYPES for a in ARCHS}
+    expected |= {(k, d, ALL_VARIANTS_ARCH) for v in VARIANTS for k in kernel_names(v) for d in SUPPORTED_DTYPES}
     assert seen == expected
     assert len(kernel_names()) == 2 * 2 * len(PACKS_PER_THREAD)
     for r in matrix:
@@ -41,29 +60,23 @@ def test_launch_candidates_only_use_compiled_instances_and_block_sizes():
 
 
 @pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
-def test_vector_kernels_use_128_bit_loads_and_stores(dtype):
-    from cupy_backends.cuda.libs import nvrtc
+def test_vector_kernels_use_128_bit_loads_and_stores(dtype, sm90_modules):
+    for variant in VARIANTS:
+        _check_vector_accesses(sm90_modules[variant, dtype][1], variant)
 
-    from swiglu_cupy._cuda_headers import cuda_include_dirs
-    from swiglu_cupy._sources import compile_options, module_source
 
-    prog = nvrtc.createProgram(module_source(), "swiglu_cupy.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, [*compile_options(dtype), "--gpu-architecture=compute_90",
-                                    *(f"-I{d}" for d in cuda_include_dirs())])
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+def _check_vector_accesses(ptx: str, variant):
     entries = re.split(r"\.entry\s+", ptx)[1:]
     bodies = {e.split("(", 1)[0].strip(): e for e in entries}
-    assert set(bodies) == set(kernel_names())
+    assert set(bodies) == set(kernel_names(variant))
     for name, body in bodies.items():
         vector_access = re.search(r"(ld|st)\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", body)
         if "_vec_" in name:
             # Each pack of a thread's tile is one 16-byte load per input (gate,
             # up, and dh in backward) and one 16-byte store per output (h; or
-            # dgate, dup, h), with no access split into narrower ones.
+            # dgate, dup, h), with no access split into narrower ones. An
+            # interleaved x12 is two 16-byte loads per pack (its gate/up
+            # pairs), and so is its dx12 store.
             packs = int(name.rsplit("_p", 1)[1])
             inputs, outputs = (2, 1) if "forward" in name else (3, 3)
             assert len(re.findall(r"ld\.global\.v(4\.(u32|b32|f32)|2\.(u64|b64|f64))", body)) == packs * inputs, name
@@ -91,12 +104,12 @@ def test_compile_error_reports_the_log():
 
 
 def test_cli_compile_prints_table_and_time():
-    proc = subprocess.run([sys.executable, "-m", "swiglu_cupy", "compile", "--arch", "sm_80", "sm_90"],
+    proc = subprocess.run([sys.executable, "-m", "swiglu_cupy", "compile", "--arch", "sm_80", "--kind", "identity"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "swiglu_backward_vec_p4" in proc.stdout and "bfloat16" in proc.stdout
-    count = 2 * len(SUPPORTED_DTYPES) * len(kernel_names())
-    assert re.search(rf"compiled {count} kernels for sm_80, sm_90 in [\d.]+ s", proc.stdout)
+    assert "glu_backward_identity_clamp_pairs_vec_p4" in proc.stdout and "bfloat16" in proc.stdout
+    count = len(SUPPORTED_DTYPES) * 4 * len(kernel_names())  # 4 variants: clamp x layout
+    assert re.search(rf"compiled {count} kernels \(4 GLU variants\) for sm_80 in [\d.]+ s", proc.stdout)
     assert "spills: 0" in proc.stdout
 
 

@@ -8,9 +8,11 @@ from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
 from swiglu_cupy import _launch, primitives
+from swiglu_cupy._sources import VARIANTS
+from swiglu_cupy.activations import GPT_OSS, GLUActivation, deepseek_v4
 from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, using_launch_config
-from conftest import (assert_compiled_matches_eager, assert_nontrivial, elementwise_error_bounds, rel_rms,
-                      swiglu_fp64_reference)
+from conftest import (assert_compiled_matches_eager, assert_nontrivial, elementwise_error_bounds, glu_error_bounds,
+                      rel_rms, spec_of_variant, swiglu_fp64_reference)
 
 pytestmark = pytest.mark.gpu
 CUDA_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -251,3 +253,83 @@ def test_every_launch_candidate_on_cuda(config):
         assert torch.equal(h, h_ref) and torch.equal(h_bwd, h_ref)
         assert torch.equal(dx12, dx12_ref) and torch.equal(torch.cat([dgate, dup], dim=1), dx12_ref)
     _assert_within_single_rounding(x12, dh, h=h, dx12=dx12)
+
+
+# ---- every GLU variant on CUDA (one test per variant: each compiles its module per dtype) ----
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.tag or "swiglu")
+def test_every_variant_kernel_matches_torch_on_cuda(variant):
+    spec = spec_of_variant(variant)
+    for dtype in CUDA_DTYPES:
+        for M, H in [(3, 7), (257, 1001), (64, 1376)]:  # scalar and 16-byte paths
+            torch.manual_seed(M + H)
+            x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(dtype)
+            dh = torch.randn(M, H, device="cuda").to(dtype)
+            h = primitives.swiglu_forward(x12, implementation="kernels", activation=spec)
+            dx12, h_bwd = primitives.swiglu_backward(x12, dh, implementation="kernels", activation=spec)
+            ref_dx12, ref_h = primitives.swiglu_backward(x12.cpu(), dh.cpu(), implementation="torch", activation=spec)
+            h_bound, dx12_bound = glu_error_bounds(x12.cpu(), dh.cpu(), spec, ref_h, ref_dx12)
+            # -ftz and the GPU's expf/tanhf/erff may differ from the CPU in the last fp32 bits.
+            assert ((h.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()
+            assert torch.equal(h, h_bwd)
+            assert ((dx12.cpu().double() - ref_dx12.double()).abs() <= 2 * dx12_bound).all()
+            if spec.limit is not None:
+                assert torch.equal(dx12.cpu() == 0, ref_dx12 == 0)
+            if not spec.interleaved:
+                gate, up = x12[:, :H].contiguous(), x12[:, H:].contiguous()
+                assert torch.equal(primitives.silu_mul_forward(gate, up, implementation="kernels",
+                                                               activation=spec), h)
+
+
+@pytest.mark.parametrize("spec", [GPT_OSS, deepseek_v4(10.0), GLUActivation("gelu_tanh")], ids=str)
+def test_variant_function_parity_checkpoint_and_compile_on_cuda(spec):
+    torch.manual_seed(1)
+    m = sc.SwiGLU(256, 688, 128, device="cuda", dtype=torch.bfloat16, activation=spec)
+    x = (torch.randn(8, 33, 256, device="cuda", dtype=torch.bfloat16) * 4).requires_grad_()
+    y = checkpoint(m, x, use_reentrant=False)
+    y.float().pow(2).sum().backward()
+    params = [p.detach().double().requires_grad_() for p in (m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)]
+    x_ref = x.detach().double().requires_grad_()
+    y_ref = sc.glu_ffn_reference(x_ref, *params, activation=spec)
+    y_ref.pow(2).sum().backward()
+    assert rel_rms(y, y_ref) < 1.6e-2
+    for p, p_ref in zip([x, m.w12.weight, m.w3.weight], [x_ref, params[0], params[2]]):
+        assert_nontrivial(p.grad, "grad")
+        assert rel_rms(p.grad, p_ref.grad) < 5e-2
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), y.detach(), rtol=0, atol=0)
+    model = torch.nn.Sequential(sc.SwiGLU(64, 96, device="cuda", activation=spec))
+    assert_compiled_matches_eager(model, torch.randn(4, 64, device="cuda", requires_grad=True), tol=1e-5)
+
+
+def test_every_launch_candidate_on_cuda_interleaved():
+    """The interleaved kernels under every launch shape: bitwise equal to the
+    default (one test: 27 sub-millisecond cases)."""
+    torch.manual_seed(2)
+    x12 = (torch.randn(1024, 2 * 1376, device="cuda") * 8).to(torch.bfloat16)
+    dh = torch.randn(1024, 1376, device="cuda").to(torch.bfloat16)
+    with using_launch_config(DEFAULT_LAUNCH):
+        h_ref = primitives.swiglu_forward(x12, implementation="kernels", activation=GPT_OSS)
+        dx12_ref, _ = primitives.swiglu_backward(x12, dh, implementation="kernels", activation=GPT_OSS)
+    for config in LAUNCH_CANDIDATES:
+        h, dx12 = torch.full_like(h_ref, float("nan")), torch.full_like(dx12_ref, float("nan"))
+        with using_launch_config(config):
+            primitives.swiglu_forward(x12, out=h, implementation="kernels", activation=GPT_OSS)
+            primitives.swiglu_backward(x12, dh, dx12_out=dx12, implementation="kernels", activation=GPT_OSS)
+        assert torch.equal(h, h_ref) and torch.equal(dx12, dx12_ref), config
+
+
+def test_cuda_graph_capture_of_a_variant_after_warmup():
+    m = sc.SwiGLU(64, 128, device="cuda", dtype=torch.bfloat16, activation=GPT_OSS)
+    sc.warmup("cuda", dtypes=(torch.bfloat16,), activations=(GPT_OSS,))
+    x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = m(x)
+        compiles = _launch.cupy_launcher().compile_count
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = m(x)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert _launch.cupy_launcher().compile_count == compiles
+    torch.testing.assert_close(y, expected, rtol=0, atol=0)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from swiglu_cupy import SiluMulFunction, SwiGLUFunction
-from swiglu_cupy.reference import swiglu_reference
+from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation
+from swiglu_cupy.reference import glu_ffn_reference, glu_reference, swiglu_reference
 
 D, H, O = 16, 24, 8
 
@@ -16,9 +17,17 @@ def _packed(seed=0):
 
 def test_apply_with_every_argument_matches_the_reference():
     x, w12, w3 = _packed()
-    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, False, False, False)
+    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False)
     assert torch.allclose(y, swiglu_reference(x, w12, None, w3, None), rtol=1e-5, atol=1e-6)
     assert x12.shape == (5, 2 * H)
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, GPT_OSS, False, False, False)
+    assert torch.allclose(y, glu_ffn_reference(x, w12, None, w3, None, GPT_OSS), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_mul_function_takes_the_spec():
+    gate, up = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    spec = GLUActivation("gelu_tanh", limit=1.0)
+    torch.testing.assert_close(SiluMulFunction.apply(gate, up, spec), glu_reference(gate, up, spec))
 
 
 @pytest.mark.parametrize("transform", ["eager", "vmap", "grad"])
@@ -29,12 +38,12 @@ def test_missing_arguments_fail_the_same_way_in_eager_and_under_transforms(trans
     short = lambda x: SwiGLUFunction.apply(x, w12, None, None, None, w3, None)[0]  # noqa: E731
     call = {"eager": short, "vmap": torch.func.vmap(short),
             "grad": torch.func.grad(lambda x: short(x).sum())}[transform]
-    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 10 positional arguments .*got 7"):
+    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 11 positional arguments .*got 7"):
         call(x)
 
 
 def test_silu_mul_function_checks_its_argument_count_too():
-    with pytest.raises(TypeError, match=r"SiluMulFunction\.apply takes 2 positional arguments"):
+    with pytest.raises(TypeError, match=r"SiluMulFunction\.apply takes 3 positional arguments"):
         SiluMulFunction.apply(torch.randn(3))
 
 

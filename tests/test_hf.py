@@ -304,15 +304,31 @@ def test_keeps_dtype_device_requires_grad_and_mode():
     assert not frozen.training
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
-def test_other_activations_untouched(act):
+@pytest.mark.parametrize("act", ["tanh", "mish"])
+def test_unknown_activations_untouched(act):
     model = tiny_model("llama", hidden_act=act)
     before = copy.deepcopy(model.state_dict())
     assert patch_model(model) == 0
     assert not any(isinstance(m, SwiGLUMLP) for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    with pytest.raises(ValueError, match="no SwiGLU MLP found"):
+    with pytest.raises(ValueError, match="no GLU MLP found"):
         patch_model(model, strict=True)
+
+
+@pytest.mark.parametrize("act, kind", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"), ("gelu_new", "gelu_tanh"),
+                                       ("relu", "relu"), ("quick_gelu", "oai")])
+def test_other_known_activations_fused(act, kind):
+    """GeGLU, ReGLU, ... configs of a SwiGLU family: the activation is
+    recognised by its values and fused exactly."""
+    model = tiny_model("llama", hidden_act=act)
+    patched = copy.deepcopy(model)
+    assert patch_model(patched, strict=True) == LAYERS
+    assert all(layer.mlp.swiglu_activation.kind == kind for layer in patched.model.layers)
+    ids = token_ids()
+    _, grads_u = forward_backward(model, ids)
+    _, grads_p = forward_backward(patched, ids)
+    for name, g in grads_p.items():
+        assert rel_rms(g, grads_u[name]) < FP32_TOL["cpu"], name
 
 
 def test_swish_name_is_patched():

@@ -5,11 +5,13 @@ import pytest
 import torch
 
 import swiglu_cupy
-from swiglu_cupy import primitives
+from swiglu_cupy import primitives, reference
+from swiglu_cupy._sources import VARIANTS, kernel_name, kernel_variant
+from swiglu_cupy.activations import GPT_OSS
 from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, using_launch_config
 from swiglu_cupy.primitives import kernels
-from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, primitives_on_host_kernels, rel_rms,
-                      swiglu_fp64_reference)
+from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, glu_error_bounds,
+                      primitives_on_host_kernels, rel_rms, spec_of_variant, swiglu_fp64_reference)
 
 def _check(x12, dh, h=None, dx12=None):
     """Kernel outputs against the torch implementation: both round one
@@ -261,3 +263,120 @@ def test_default_launch_shape_is_unchanged():
         (5, 4099, 1, ((33, 3, 1), (128, 2, 1))),
     ]:
         assert kernels.launch_shape(M, H, vec, DEFAULT_LAUNCH, sm_count=132) == expected
+
+
+# ---- every GLU variant (activation kind x clamp x layout) --------------------
+
+def _check_glu(x12, dh, spec, h=None, dx12=None):
+    ref_dx12, ref_h = primitives.swiglu_backward(x12.contiguous(), dh, implementation="torch", activation=spec)
+    h_bound, dx12_bound = glu_error_bounds(x12, dh, spec, ref_h, ref_dx12)
+    if h is not None:
+        assert ((h.double() - ref_h.double()).abs() <= h_bound).all()
+    if dx12 is not None:
+        assert ((dx12.double() - ref_dx12.double()).abs() <= dx12_bound).all()
+        if spec.limit is not None:  # the clamp masks agree exactly
+            assert torch.equal(dx12 == 0, ref_dx12 == 0)
+
+
+def _glu_inputs(M, H, dtype, spec, seed):
+    x12, dh = _inputs(M, H, dtype, seed)
+    if spec.limit is not None:  # gate and up exactly at the limits, on purpose
+        gate, up = reference.split_gate_up(x12, spec)
+        gate[:, ::5] = spec.limit
+        up[:, 1::5] = spec.limit
+        up[:, 2::5] = -spec.limit
+    return x12, dh
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.tag or "swiglu")
+def test_every_variant_kernel_matches_torch_implementation(host_launcher, variant):
+    """All dtypes, the 16-byte and the scalar path, packed x12 (halves or
+    interleaved) and, for halves, separate gate/up tensors; in place too."""
+    spec = spec_of_variant(variant)
+    for dtype in DTYPES_ALL:
+        for M, H in [(5, 16), (3, 7)]:
+            x12, dh = _glu_inputs(M, H, dtype, spec, seed=M * H)
+            host_launcher.launches.clear()
+            h = primitives.swiglu_forward(x12, launcher=host_launcher, activation=spec)
+            dx12, h_bwd = primitives.swiglu_backward(x12, dh, launcher=host_launcher, activation=spec)
+            width = "vec" if H % _vec(dtype) == 0 else "scalar"
+            assert [n for n, *_ in host_launcher.launches] == [
+                kernel_name(k, width == "vec", 1, variant) for k in ("swiglu_forward", "swiglu_backward")]
+            _check_glu(x12, dh, spec, h=h, dx12=dx12)
+            assert torch.equal(h, h_bwd)
+            work = x12.clone()
+            primitives.swiglu_backward(work, dh, dx12_out=work, launcher=host_launcher, activation=spec)
+            assert torch.equal(work, dx12)  # in place: same values
+            if not spec.interleaved:
+                gate, up = x12[:, :H].clone(), x12[:, H:].clone()
+                assert torch.equal(primitives.silu_mul_forward(gate, up, launcher=host_launcher, activation=spec), h)
+                dgate, dup = primitives.silu_mul_backward(gate, up, dh, launcher=host_launcher, activation=spec)
+                assert torch.equal(torch.cat([dgate, dup], 1), dx12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("config", LAUNCH_CANDIDATES, ids=lambda c: c.label.replace(" ", "-"))
+def test_every_launch_candidate_on_the_interleaved_layout(host_launcher, config, dtype):
+    """GPT-OSS's variant (OAI, clamped, interleaved) under every launch shape:
+    tall, wide and odd-H cases as for the halves layout above."""
+    spec = GPT_OSS
+    vec = _vec(dtype)
+    cap = config.max_blocks(kernels.HOST_SM_COUNT)
+    wide_H = vec * 128 * config.packs_per_thread * (cap or 1) + 3 * vec
+    for label, M, H in [("tall", 600, 40), ("wide", 2, wide_H), ("odd", 37, 4 * 129 * config.packs_per_thread + 1)]:
+        x12, dh = _glu_inputs(M, H, dtype, spec, seed=H)
+        x12 = x12 * 4  # beyond GPT-OSS's limit of 7 too
+        host_launcher.launches.clear()
+        with using_launch_config(config):
+            h = primitives.swiglu_forward(x12, launcher=host_launcher, activation=spec)
+            dx12, h_bwd = primitives.swiglu_backward(x12, dh, launcher=host_launcher, activation=spec)
+        _check_glu(x12, dh, spec, h=h, dx12=dx12)
+        assert torch.equal(h, h_bwd)
+        path_vec = vec if H % vec == 0 else 1
+        loops = {_assert_loops(config, launch, M, H, path_vec) for launch in host_launcher.launches}
+        if cap is not None and label == "tall":
+            assert all(rows for rows, _ in loops), loops
+        if cap is not None and label == "wide":
+            assert all(cols for _, cols in loops), loops
+
+
+def test_interleaved_vector_path_reads_x12_in_place(host_launcher, monkeypatch):
+    """The interleaved x12 goes to its own 16-byte kernel as it is: never
+    split into strided gate/up views (which would be copied), never copied."""
+    copies = []
+    real = kernels._rows_view
+    monkeypatch.setattr(kernels, "_rows_view", lambda t: copies.append(t.stride()) or real(t))
+    x12, dh = _glu_inputs(6, 32, torch.bfloat16, GPT_OSS, seed=1)
+    host_launcher.launches.clear()
+    primitives.swiglu_forward(x12, launcher=host_launcher, activation=GPT_OSS)
+    primitives.swiglu_backward(x12, dh, launcher=host_launcher, activation=GPT_OSS)
+    assert [n for n, *_ in host_launcher.launches] == ["glu_forward_oai_clamp_pairs_vec_p1",
+                                                      "glu_backward_oai_clamp_pairs_vec_p1"]
+    assert all(stride[-1] == 1 for stride in copies)  # every view handed over had unit inner stride
+    with pytest.raises(ValueError, match="out must not share x12's memory"):
+        primitives.swiglu_forward(x12, out=x12[:, :32], launcher=host_launcher, activation=GPT_OSS)
+
+
+@pytest.mark.parametrize("spec", ["gelu_tanh", "GPT_OSS"])
+def test_whole_function_with_host_kernels_for_a_variant(host_launcher, spec):
+    spec = GPT_OSS if spec == "GPT_OSS" else spec
+    torch.manual_seed(0)
+    m = swiglu_cupy.SwiGLU(32, 48, 24, dtype=torch.float32, activation=spec)
+    x = (torch.randn(3, 5, 32) * 4).requires_grad_()
+    host_launcher.launches.clear()
+    with primitives_on_host_kernels(host_launcher):
+        y = m(x)
+        y.backward(torch.ones_like(y))
+        with torch.no_grad():
+            assert torch.equal(m(x), y.detach())
+    tag = kernel_variant(m.activation).tag
+    assert [name for name, *_ in host_launcher.launches] == [
+        f"glu_forward_{tag}_vec_p1", f"glu_backward_{tag}_vec_p1", f"glu_forward_{tag}_vec_p1"]
+    ref_params = [p.detach().double().requires_grad_() for p in (m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)]
+    x_ref = x.detach().double().requires_grad_()
+    y_ref = swiglu_cupy.glu_ffn_reference(x_ref, *ref_params, activation=m.activation)
+    y_ref.backward(torch.ones_like(y_ref))
+    assert rel_rms(y, y_ref) < 1e-6
+    for p, p_ref in zip([x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias], [x_ref, *ref_params]):
+        assert_nontrivial(p.grad, "param")
+        assert rel_rms(p.grad, p_ref.grad) < 1e-5

@@ -95,6 +95,29 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
+def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):
+    """One RawModule per (device, dtype, variant), built from that variant's
+    source; a second kernel of the same variant reuses it."""
+    from swiglu_cupy import _sources
+    from swiglu_cupy.activations import GPT_OSS
+
+    fake = _FakeCupy()
+    sources = []
+    real_module = fake.RawModule
+    fake.RawModule = lambda code, options: sources.append(code) or real_module(code=code, options=options)
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=7))
+    launcher = _launch.CupyLauncher()
+    oai = _sources.kernel_variant(GPT_OSS)
+    for name in ("swiglu_forward_vec_p1", "glu_forward_oai_clamp_pairs_vec_p1", "glu_backward_oai_clamp_pairs_scalar_p4",
+                 "swiglu_backward_vec_p1"):
+        launcher.launch(name, torch.bfloat16, torch.device("cuda", 0), (1, 1, 1), (32, 1, 1), [])
+    assert launcher.compile_count == 2
+    assert sources == [_sources.module_source(), _sources.module_source(oai)]
+    with pytest.raises(ValueError, match="unknown kernel"):
+        launcher.launch("glu_forward_swish_vec_p1", torch.bfloat16, torch.device("cuda", 0), (1, 1, 1), (32, 1, 1), [])
+
+
 def test_missing_cupy_falls_back_with_one_warning_naming_the_fix(monkeypatch):
     def no_cupy():
         raise _launch.CudaUnavailableError("no module named cupy")

@@ -56,9 +56,9 @@ def test_no_grad_forward_writes_h_over_x12_and_matches(context, monkeypatch):
     calls = []
     real = primitives.run_silu_mul_forward
 
-    def spy(gate, up, out=None, *args):
+    def spy(gate, up, out=None, *args, **kwargs):
         calls.append((gate, up, out))
-        return real(gate, up, out, *args)
+        return real(gate, up, out, *args, **kwargs)
 
     monkeypatch.setattr(primitives, "run_silu_mul_forward", spy)
     with context():

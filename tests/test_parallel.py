@@ -17,6 +17,7 @@ Also the torchrun worker of the GPU (nccl) test:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import rank_launcher
 import swiglu_cupy as sc
+from swiglu_cupy.activations import GPT_OSS
 from conftest import assert_nontrivial
 from swiglu_cupy.hf import patch_model
 from swiglu_cupy.parallel import (MIN_TORCH, SwiGLUTensorParallel, fsdp_shard_placement,
@@ -58,6 +60,10 @@ DEVICE = torch.device("cpu")
 
 # ----------------------------------------------------------------------------
 # shared by the ranks and the reference
+
+# GPT-OSS's variant with a limit inside the range of the block's x12, so the clamps cut.
+GPT_OSS_TIGHT = dataclasses.replace(GPT_OSS, limit=0.5)
+
 
 def build_block(seed=0, **kwargs) -> sc.SwiGLU:
     torch.manual_seed(seed)
@@ -143,9 +149,14 @@ def _case_tp(rank, world):
     x, dy = block_data()
     res = {}
     for label, kwargs in (("bias", {}), ("no_bias", {"bias": False}),
-                          ("recompute", {"recompute_gate_up": True})):
+                          ("recompute", {"recompute_gate_up": True}), ("gpt_oss", {"activation": GPT_OSS_TIGHT})):
         block = parallelize_module(build_block(**kwargs), mesh, SwiGLUTensorParallel())
         r = _run_tp_block(block, x, dy)
+        if label == "gpt_oss":  # interleaved rows: this rank's whole gate/up pairs
+            r["local_w12"] = block.w12.weight.to_local().detach().cpu().clone()
+            r["w12_placements"] = str(block.w12.weight.placements)
+            with torch.no_grad():
+                r["no_grad_out"] = block(x).cpu()
         if label == "bias":
             r["local"] = {n: p.to_local().detach().cpu().clone() for n, p in block.named_parameters()}
             r["full"] = {n: p.full_tensor().detach().cpu().clone() for n, p in block.named_parameters()}
@@ -414,6 +425,13 @@ def check_tp_results(results, world):
         close(r["no_grad_out"], ref["out"], "no-grad output")
         assert_block_matches(res["no_bias"], reference(bias=False))
         assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
+        # GPT-OSS's interleaved, clamped variant: sharded by whole pairs (a plain row shard)
+        oai, oai_ref = res["gpt_oss"], reference(activation=GPT_OSS_TIGHT)
+        assert_block_matches(oai, oai_ref)
+        close(oai["no_grad_out"], oai_ref["out"], "interleaved no-grad output")
+        pairs = slice(2 * rank * (H // world), 2 * (rank + 1) * (H // world))
+        assert torch.equal(oai["local_w12"], oai_ref["params"]["w12.weight"][pairs])
+        assert oai["w12_placements"] == "(Shard(dim=0),)"
         assert_block_matches(res["plan"], ref)
         # HF: patched, then parallelized (or the reverse); the state dict keeps the HF keys and values
         hf = res["hf"]

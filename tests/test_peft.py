@@ -191,8 +191,8 @@ def test_quantized_look_alikes_left_alone():
     assert patch_model(blind, verify=False) == 1 and blind[0].fusion() == "activation"
 
 
-def test_gelu_lora_left_alone():
-    base = tiny_model("llama", hidden_act="gelu")
+def test_unknown_activation_lora_left_alone():
+    base = tiny_model("llama", hidden_act="tanh")
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=LORA_TARGETS))
     assert patch_model(model) == 0
     assert not any(isinstance(m, SwiGLUMLP) for m in model.modules())

@@ -26,24 +26,46 @@ def test_kernel_names_cover_every_packs_per_thread_candidate():
     src = _sources.module_source()
     for name in expected:
         kind = name.split("_")[1].upper()
-        assert f"SWIGLU_{kind}_ENTRY({name}, " in src
+        assert f"GLU_{kind}_ENTRY({name}, glu_silu_t, " in src
+    assert "typedef Glu<SiluAct, false> glu_silu_t;" in src
+
+
+def test_every_variant_is_its_own_module_with_its_own_names():
+    """7 kinds x clamp x layout, 12 entry points each, names unique across
+    modules (the loader finds a kernel's module by its name)."""
+    from swiglu_cupy.activations import GPT_OSS, KINDS, deepseek_v4
+
+    assert len(_sources.VARIANTS) == len(KINDS) * 2 * 2 and _sources.VARIANTS[0] == _sources.DEFAULT_VARIANT
+    names = [n for v in _sources.VARIANTS for n in _sources.kernel_names(v)]
+    assert len(names) == len(set(names)) == 12 * len(_sources.VARIANTS)
+    oai = _sources.kernel_variant(GPT_OSS)
+    assert oai == ("oai", True, True) and _sources.kernel_variant(deepseek_v4(10.0)) == ("silu", True, False)
+    src = _sources.module_source(oai)
+    assert "typedef Glu<OaiAct, true> glu_oai_clamp_t;" in src
+    assert "GLU_BACKWARD_PAIRS_ENTRY(glu_backward_oai_clamp_pairs_vec_p4, glu_oai_clamp_t, SWIGLU_VEC_WIDTH, 4)" in src
+    assert _sources.variant_of_kernel("glu_forward_gelu_tanh_scalar_p2") == ("gelu_tanh", False, False)
+    assert _sources.variant_of_kernel("swiglu_forward_vec_p1") == _sources.DEFAULT_VARIANT
+    # The text differs per variant only in its entry points; each is self-contained.
+    assert src != _sources.module_source() and '#include "' not in src
 
 
 def test_editing_a_header_changes_the_compiled_source(tmp_path, monkeypatch):
     """CuPy's disk cache keys on the source string: a header edit must change it."""
-    for name in ("swiglu_common.cuh", *_sources.KERNEL_FILES):
+    for name in (*_sources.KERNEL_HEADERS, *_sources.KERNEL_FILES):
         (tmp_path / name).write_text((_sources.kernel_dir() / name).read_text())
     monkeypatch.setattr(_sources, "_CANDIDATE_DIRS", (tmp_path,))
-    _sources.module_source.cache_clear()
+    _sources.clear_source_cache()
     try:
         before = _sources.module_source()
-        header = tmp_path / "swiglu_common.cuh"
-        header.write_text(header.read_text() + "\n// edited\n")
-        _sources.module_source.cache_clear()
-        after = _sources.module_source()
-        assert before != after and "// edited" in after
+        for header_name in _sources.KERNEL_HEADERS:
+            header = tmp_path / header_name
+            header.write_text(header.read_text() + f"\n// edited {header_name}\n")
+            _sources.clear_source_cache()
+            after = _sources.module_source()
+            assert before != after and f"// edited {header_name}" in after
+            before = after
     finally:
-        _sources.module_source.cache_clear()
+        _sources.clear_source_cache()
 
 
 def test_options_differ_per_dtype_and_vector_widths():

@@ -25,8 +25,10 @@ layouts are copied to contiguous first (outputs are written back).
 ``activation=`` (a ``swiglu_cupy.activations.GLUActivation`` or a plain
 form's name, default ``"silu"``) selects the GLU variant: ``h = act(gate) *
 up`` with its clamps, and for x12 its layout (halves or interleaved); the
-backward's ``dgate``/``dup`` are that variant's. Separate gate/up tensors
-take halves-layout specs only.
+backward's ``dgate``/``dup`` are that variant's (an interleaved dx12 is
+interleaved too). Separate gate/up tensors take halves-layout specs only, and
+an interleaved x12 cannot take h over itself (``out`` must not share its
+memory: the pairs are compacted by independent threads).
 
 Math runs in fp32 (fp64 for float64 storage) and every output is rounded to
 the storage dtype once. Supported dtypes: float16, bfloat16, float32, float64.
@@ -97,12 +99,12 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
     return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
 
 
-def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, activation=SILU):
+def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
     """The launcher to run the kernels with (None: the CuPy one), or False
     for the torch implementation."""
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
-    if implementation == "torch" or (activation is not SILU and activation != SILU):  # kernels: SiLU only, for now
+    if implementation == "torch":
         return False
     forced = forced_launcher()
     if launcher is not None or forced is not None:
@@ -115,9 +117,13 @@ def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, ac
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
                    implementation: str | None = None, launcher=None, activation="silu") -> torch.Tensor:
     H = _check_x12(x12)
+    spec = resolve_activation(activation)
     if out is not None:
         _check_like("out", out, (x12.shape[0], H), x12)
-    return run_swiglu_forward(x12, out, implementation, launcher, resolve_activation(activation))
+        if spec.interleaved and out.untyped_storage().data_ptr() == x12.untyped_storage().data_ptr():
+            raise ValueError("out must not share x12's memory when activation is interleaved "
+                             "(h cannot overwrite interleaved pairs in place)")
+    return run_swiglu_forward(x12, out, implementation, launcher, spec)
 
 
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
@@ -168,33 +174,33 @@ def _halves_only(activation):
 # the checks are a measurable part of a small call's host time.
 
 def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(x12, implementation, launcher, activation)
+    launcher = _kernel_launcher(x12, implementation, launcher)
     if launcher is not False:
-        return kernels.launch_swiglu_forward(x12, out, launcher)
+        return kernels.launch_swiglu_forward(x12, out, launcher, activation=activation)
     return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12),
                                            activation)
 
 
 def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None, activation=SILU):
-    launcher = _kernel_launcher(x12, implementation, launcher, activation)
+    launcher = _kernel_launcher(x12, implementation, launcher)
     if launcher is not False:
-        return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher)
+        return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher, activation=activation)
     return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
                                             h_out=_or_new(None, tuple(dh.shape), x12), activation=activation)
 
 
 def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(gate, implementation, launcher, activation)
+    launcher = _kernel_launcher(gate, implementation, launcher)
     if launcher is not False:
-        return kernels.launch_silu_mul_forward(gate, up, out, launcher)
+        return kernels.launch_silu_mul_forward(gate, up, out, launcher, activation=activation)
     return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate), activation)
 
 
 def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None,
                           activation=SILU):
-    launcher = _kernel_launcher(gate, implementation, launcher, activation)
+    launcher = _kernel_launcher(gate, implementation, launcher)
     if launcher is not False:
-        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher)
+        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher, activation=activation)
     shape = gate.shape
     return torch_impl.silu_mul_backward_torch(gate, up, dh, _or_new(dgate_out, shape, gate),
                                              _or_new(dup_out, shape, gate), activation)

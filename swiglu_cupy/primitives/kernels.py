@@ -5,7 +5,14 @@ the host harness in CI). Tensors are passed as raw pointers, never copied
 
 Every primitive reaches the same two kernel kinds through ``_launch_forward_kernel``
 and ``_launch_backward_kernel``: gate and up are separate pointers with their own row strides,
-so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:].
+so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:]. An
+interleaved x12 (``activation.interleaved``) has its own entry points
+(``_launch_pairs_*``), which read gate/up pairs from x12 with 16-byte loads.
+
+The GLU variant (``activation``, a ``GLUActivation``) picks the compiled
+instance; its limit, alpha and up_offset are kernel arguments in the math
+dtype (numpy float32, or float64 for float64 storage: never a Python float,
+which CuPy would pass as a C double).
 
 The launch shape comes from ``launch_config=`` or, when None, from
 ``swiglu_cupy.launch_config.current_launch_config()`` (see that module).
@@ -18,7 +25,8 @@ import numpy as np
 import torch
 
 from .._launch import cupy_launcher, device_index, i64, pointer
-from .._sources import kernel_name, vector_width
+from .._sources import kernel_name, kernel_variant, vector_width
+from ..activations import SILU, GLUActivation
 from ..launch_config import LaunchConfig, current_launch_config
 
 MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
@@ -76,36 +84,74 @@ def launch_shape(M: int, H: int, vec: int, config: LaunchConfig, sm_count: int
 
 
 def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: torch.Tensor,
-            M: int, H: int, args) -> None:
+            M: int, H: int, args, activation: GLUActivation) -> None:
     if M == 0 or H == 0:
         return  # an empty grid is a CUDA launch error; there is nothing to do
     config = config or current_launch_config()
-    name = kernel_name(kind, vec > 1, config.packs_per_thread)
+    name = kernel_name(kind, vec > 1, config.packs_per_thread, kernel_variant(activation))
     sms = sm_count(ref.device) if config.grid_waves is not None else 0
     grid, block = launch_shape(M, H, vec, config, sms)
-    (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block, args)
+    (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block,
+                                         [*args, *_variant_args(activation, ref.dtype)])
 
 
-def _launch_forward_kernel(gate, up, h, launcher, config) -> None:
-    """h = silu(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
+@functools.lru_cache(maxsize=256)
+def _scalar_args(activation: GLUActivation, double: bool) -> tuple:
+    """(limit, alpha, up_offset) in the kernels' math dtype (the limit is
+    read only by clamped instances, alpha and up_offset only by OAI's)."""
+    scalar = np.float64 if double else np.float32
+    limit = 0.0 if activation.limit is None else activation.limit
+    return scalar(limit), scalar(activation.alpha), scalar(activation.up_offset)
+
+
+def _variant_args(activation: GLUActivation, dtype: torch.dtype) -> tuple:
+    return _scalar_args(activation, dtype is torch.float64)
+
+
+def _launch_forward_kernel(gate, up, h, launcher, config, activation) -> None:
+    """h = act(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
     M, H = gate.shape
     vec = choose_vector_width(gate.dtype, H, gate, up, h)
     _launch(launcher, config, "swiglu_forward", vec, gate, M, H, [
         pointer(gate), pointer(up), pointer(h), i64(M), i64(H),
         i64(_leading_dim(gate)), i64(_leading_dim(up)), i64(_leading_dim(h)),
-    ])
+    ], activation)
 
 
-def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config) -> None:
+def _h_args(h):
+    return (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
+
+
+def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
     """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
     M, H = gate.shape
     tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
     vec = choose_vector_width(gate.dtype, H, *tensors)
-    h_args = (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
+    h_ptr, h_ld = _h_args(h)
     _launch(launcher, config, "swiglu_backward", vec, gate, M, H, [
-        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_args[0], i64(M), i64(H),
-        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_args[1],
-    ])
+        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
+        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld,
+    ], activation)
+
+
+def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
+    """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
+    M, H = h.shape
+    vec = choose_vector_width(x12.dtype, H, x12, h)
+    _launch(launcher, config, "swiglu_forward", vec, x12, M, H, [
+        pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h)),
+    ], activation)
+
+
+def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
+    """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
+    M, H = dh.shape
+    vec = choose_vector_width(x12.dtype, H, *((x12, dh, dx12) + (() if h is None else (h,))))
+    h_ptr, h_ld = _h_args(h)
+    _launch(launcher, config, "swiglu_backward", vec, x12, M, H, [
+        pointer(x12), pointer(dh), pointer(dx12), h_ptr, i64(M), i64(H),
+        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld,
+    ], activation)
 
 
 def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
@@ -119,45 +165,57 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
-                     launcher=None, launch_config: LaunchConfig | None = None) -> torch.Tensor:
+                            launcher=None, launch_config: LaunchConfig | None = None,
+                            activation: GLUActivation = SILU) -> torch.Tensor:
     gate, up = _rows_view(gate), _rows_view(up)
     h = _empty_rows(gate, gate.shape[1]) if out is None else out
     target = _rows_view(h)
-    _launch_forward_kernel(gate, up, target, launcher, launch_config)
+    _launch_forward_kernel(gate, up, target, launcher, launch_config, activation)
     _copy_back(target, h)
     return h
 
 
 def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
-                      dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
-                      launcher=None, launch_config: LaunchConfig | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                             dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
+                             launcher=None, launch_config: LaunchConfig | None = None,
+                             activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
     H = gate.shape[1]
     dgate = _empty_rows(gate, H) if dgate_out is None else dgate_out
     dup = _empty_rows(gate, H) if dup_out is None else dup_out
     dgate_target, dup_target = _rows_view(dgate), _rows_view(dup)
-    _launch_backward_kernel(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config)
+    _launch_backward_kernel(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config, activation)
     _copy_back(dgate_target, dgate)
     _copy_back(dup_target, dup)
     return dgate, dup
 
 
 def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
-                   launch_config: LaunchConfig | None = None) -> torch.Tensor:
+                          launch_config: LaunchConfig | None = None,
+                          activation: GLUActivation = SILU) -> torch.Tensor:
     x12 = _rows_view(x12)
     H = x12.shape[1] // 2
-    return launch_silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config)
+    if not activation.interleaved:
+        return launch_silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config, activation)
+    h = _empty_rows(x12, H) if out is None else out
+    target = _rows_view(h)
+    _launch_pairs_forward_kernel(x12, target, launcher, launch_config, activation)
+    _copy_back(target, h)
+    return h
 
 
 def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
-                    launcher=None, launch_config: LaunchConfig | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                           launcher=None, launch_config: LaunchConfig | None = None,
+                           activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     x12, dh = _rows_view(x12), _rows_view(dh)
     H = x12.shape[1] // 2
     dx12 = torch.empty_like(x12, memory_format=torch.contiguous_format) if dx12_out is None else dx12_out
     target = _rows_view(dx12)
     h = _empty_rows(x12, H)
-    _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher, launch_config)
+    if activation.interleaved:
+        _launch_pairs_backward_kernel(x12, dh, target, h, launcher, launch_config, activation)
+    else:
+        _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher,
+                                launch_config, activation)
     _copy_back(target, dx12)
     return dx12, h

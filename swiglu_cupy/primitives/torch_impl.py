@@ -178,10 +178,10 @@ def _glu_backward_math(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool, sp
     d = _widen(dh)
     a, da = _act(g, spec, True)
     dup, dgate = d * a, d * u * da
-    if spec.limit is not None:  # torch's clamp passes the gradient where min <= x <= max
+    if spec.limit is not None:  # torch's clamp passes the gradient where min <= x <= max (0 for NaN)
         raw_gate, raw_up = _widen(gate), _widen(up)
-        dgate = dgate * (raw_gate <= spec.limit)
-        dup = dup * ((raw_up >= -spec.limit) & (raw_up <= spec.limit))
+        dgate = torch.where(raw_gate <= spec.limit, dgate, 0.0)
+        dup = torch.where((raw_up >= -spec.limit) & (raw_up <= spec.limit), dup, 0.0)
     h = a * u if want_h else None
     results = (_store(dgate, dtype, dgate_out), _store(dup, dtype, dup_out),
                None if h is None else _store(h, dtype, h_out))

@@ -1,0 +1,392 @@
+"""swiglu_cupy.patch(model): every GLU feed-forward fused in place, decided by a
+probe, with a report. Hugging Face families with other activations, a packed
+gate_up_proj and a clamp (Gemma, Phi-3, GLM, DeepSeek-V4) against the
+unpatched model; one model mixing every family of other ecosystems (timm,
+DINOv2, torchtitan, xformers, renamed names, look-alikes)."""
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import swiglu_cupy as sc
+from conftest import assert_nontrivial, rel_rms
+from glu_zoo import (Dinov2SwiGLUFFN, RenamedGeGLU, SwappedGateLookAlike, TimmGluMlp, TimmSwiGLU,
+                     TorchtitanFeedForward, timm_swiglu_packed)
+from swiglu_cupy import patching
+from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_model, unapply
+from swiglu_cupy.xformers import patch_xformers
+
+# --- Hugging Face families --------------------------------------------------------------------
+
+# model type -> (expected activation, packed gate_up_proj?, extra config)
+HF_FAMILIES = {
+    "gemma": ("gelu_tanh", False, {}),
+    "gemma2": ("gelu_tanh", False, {}),
+    "gemma3_text": ("gelu_tanh", False, {}),
+    "phi3": ("silu", True, {}),
+    "glm": ("silu", True, {}),
+    "glm4": ("silu", True, {}),
+    # A small limit, so the clamp is hit on both sides by the tiny model's activations.
+    "deepseek_v4": ("silu, limit=0.5", False, dict(n_routed_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=32, swiglu_limit=0.5)),
+}
+
+
+def hf_model(family, seed=0, **overrides):
+    transformers = pytest.importorskip("transformers")
+    if family not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=128, pad_token_id=0, eos_token_id=1,
+                  bos_token_id=1, initializer_range=0.1, tie_word_embeddings=False, use_cache=False)
+    kwargs.update(HF_FAMILIES[family][2])
+    kwargs.update(overrides)
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def token_ids():
+    return torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def gated_mlps(model):
+    return [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), nn.Module)
+            and isinstance(getattr(m, "gate_proj", getattr(m, "gate_up_proj", None)), nn.Module)]
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_hf_family_parity_with_checkpointing(family):
+    """fp32, gradient checkpointing on: logits and every gradient as the
+    unpatched model's; each MLP fully fused with the family's activation;
+    state_dict keys unchanged."""
+    act, packed, _ = HF_FAMILIES[family]
+    unpatched = hf_model(family)
+    patched = copy.deepcopy(unpatched)
+    n = len(gated_mlps(unpatched))
+    report = sc.patch(patched, strict=True)
+    assert len(report.fused) == n and not report.partial and not report.skipped, report
+    for mlp in gated_mlps(patched):
+        assert isinstance(mlp, SwiGLUMLP) and mlp.fusion() == "mlp"
+        assert str(mlp.swiglu_activation) == act
+        assert (mlp.swiglu_plan.packed == "gate_up_proj") == packed
+    assert list(patched.state_dict()) == list(unpatched.state_dict())
+    assert patch_model(copy.deepcopy(unpatched)) == n  # the narrow entry fuses the same modules
+    if family == "deepseek_v4":  # the clamp is hit, on both sides
+        mlp = gated_mlps(unpatched)[0]
+        seen = []
+        hooks = [getattr(mlp, p).register_forward_hook(lambda m, i, o: seen.append(o.detach()))
+                 for p in ("gate_proj", "up_proj")]
+        unpatched(token_ids())
+        for h in hooks:
+            h.remove()
+        assert (seen[0] > 0.5).any() and (seen[1] < -0.5).any() and (seen[1] > 0.5).any()
+    for m in (unpatched, patched):
+        m.train()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = token_ids()
+    logits_u, grads_u = loss_and_grads(unpatched, ids)
+    logits_p, grads_p = loss_and_grads(patched, ids)
+    assert rel_rms(logits_p, logits_u) < 2e-5
+    assert grads_p.keys() == grads_u.keys()
+    mlp_grads = [k for k in grads_p if ".mlp." in k or "shared_experts" in k]
+    assert mlp_grads
+    # DeepSeek-V4's router weights get gradients of ~1e-10 against ~1e-2 for
+    # the rest: rounding noise on both sides, compared as such.
+    noise = 1e-7 * max(g.pow(2).mean().sqrt().item() for g in grads_u.values())
+    for name, g in grads_p.items():
+        if name in mlp_grads:
+            assert_nontrivial(g, name)
+        if grads_u[name].pow(2).mean().sqrt().item() < noise:
+            assert g.pow(2).mean().sqrt().item() < noise, name
+            continue
+        assert rel_rms(g, grads_u[name]) < 2e-5, name
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
+def test_hf_family_bf16_error_no_larger_than_unpatched(family):
+    """bf16: against a float64 copy of the same weights, the patched model's
+    error is no larger than the unpatched one's (1.5x for noise; the fused
+    path rounds h once)."""
+    base = hf_model(family).to(torch.bfloat16)
+    patched = copy.deepcopy(base)
+    assert len(sc.patch(patched).fused) == 2
+    oracle = copy.deepcopy(base).double()
+    ids = token_ids()
+    (lu, gu), (lp, gp), (lo, go) = (loss_and_grads(m, ids) for m in (base, patched, oracle))
+    assert rel_rms(lp, lo) <= 1.5 * rel_rms(lu, lo)
+    err_p = sum(rel_rms(gp[k], go[k]) ** 2 for k in go) ** 0.5
+    err_u = sum(rel_rms(gu[k], go[k]) ** 2 for k in go) ** 0.5
+    assert err_p <= 1.5 * err_u, (err_p, err_u)
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_packed_gate_up_proj_used_in_place(family, monkeypatch):
+    """The fused op receives gate_up_proj.weight itself: no copy, no new
+    parameter, and its gradient lands there."""
+    model = hf_model(family)
+    mlps = gated_mlps(model)
+    weights = [m.gate_up_proj.weight for m in mlps]
+    ptrs = [w.data_ptr() for w in weights]
+    assert patch_model(model, strict=True) == len(mlps)
+    assert [m.gate_up_proj.weight for m in mlps] == weights
+    seen = []
+    real = patching.swiglu
+
+    def spy(x, w12, *args, **kwargs):
+        seen.append(w12)
+        return real(x, w12, *args, **kwargs)
+
+    monkeypatch.setattr(patching, "swiglu", spy)
+    model(token_ids(), labels=token_ids()).loss.backward()
+    assert len(seen) == len(mlps)
+    for w12, w, ptr in zip(seen, weights, ptrs):
+        assert w12 is w and w12.data_ptr() == ptr
+        assert_nontrivial(w.grad, "gate_up_proj.weight.grad")
+    assert len({p.data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("family", ["gemma", "phi3", "deepseek_v4"])
+def test_class_level_patching(family):
+    """apply_to: the model is built fused (any layout, clamp included) and
+    computes what the unpatched one does."""
+    ref = hf_model(family)
+    fused = apply_to(family)
+    try:
+        model = hf_model(family)
+    finally:
+        unapply(family)
+    mlps = gated_mlps(model)
+    assert mlps and all(type(m) in fused and m.fusion() == "mlp" for m in mlps)
+    assert str(mlps[0].swiglu_activation) == HF_FAMILIES[family][0]
+    with torch.no_grad():
+        assert rel_rms(model(token_ids()).logits, ref(token_ids()).logits) < 2e-5
+
+
+def test_unknown_hf_activation_left_alone():
+    model = hf_model("gemma", hidden_act="tanh", hidden_activation="tanh")
+    report = sc.patch(model)
+    assert not report.fused and len(report.skipped) == 2
+    assert all("unknown activation" in r for r in report.skipped.values())
+    assert patch_model(model) == 0
+
+
+def test_lora_on_geglu_and_packed_gets_the_fused_activation():
+    """PEFT LoRA on Gemma's projections and on Phi-3's gate_up_proj: the
+    projections run as LoRA layers, act(gate) * up is fused (report.partial),
+    gradients as the unpatched LoRA model's."""
+    peft = pytest.importorskip("peft")
+    for family, targets in (("gemma", ["gate_proj", "up_proj", "down_proj"]), ("phi3", ["gate_up_proj"])):
+        base = peft.get_peft_model(hf_model(family), peft.LoraConfig(r=4, target_modules=targets,
+                                                                     init_lora_weights=False))
+        model = copy.deepcopy(base)
+        report = sc.patch(model, strict=True)
+        assert len(report.partial) == 2 and not report.fused, report
+        assert all("LoRA" in why for why in report.partial.values())
+        ids = token_ids()
+        logits_u, grads_u = loss_and_grads(base, ids)
+        logits_p, grads_p = loss_and_grads(model, ids)
+        assert rel_rms(logits_p, logits_u) < 2e-5
+        lora = [k for k in grads_p if "lora_" in k]
+        assert lora and grads_p.keys() == grads_u.keys()
+        for name in lora:
+            assert_nontrivial(grads_p[name], name)
+            assert rel_rms(grads_p[name], grads_u[name]) < 2e-5, name
+
+
+# --- one model mixing every family ------------------------------------------------------------
+
+D = 16
+
+
+class Residual(nn.Module):
+    """The sum of every block's output on the same input: each one's output and gradient count."""
+
+    def __init__(self, blocks: dict):
+        super().__init__()
+        self.blocks = nn.ModuleDict(blocks)
+
+    def forward(self, x):
+        return sum(block(x) for block in self.blocks.values())
+
+
+class PReLUGlu(TimmGluMlp):
+    def __init__(self):
+        super().__init__(D, 48, act_layer=lambda: nn.PReLU())
+
+
+def mixed_model():
+    """Every family of issue 19, plus look-alikes the probe must leave alone."""
+    transformers = pytest.importorskip("transformers")
+    blocks = {}
+    for family in ("gemma", "phi3", "deepseek_v4"):
+        if family in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+            config = transformers.AutoConfig.for_model(family, hidden_size=D, intermediate_size=24,
+                                                       **HF_FAMILIES[family][2])
+            mlp_cls = {"gemma": "GemmaMLP", "phi3": "Phi3MLP", "deepseek_v4": "DeepseekV4MLP"}[family]
+            module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=[mlp_cls])
+            blocks[f"hf_{family}"] = getattr(module, mlp_cls)(config)
+    blocks.update(
+        timm_glu=TimmGluMlp(D, 48),                                   # sigmoid, gate last
+        timm_glu_gelu_first=TimmGluMlp(D, 48, act_layer=nn.GELU, gate_last=False),
+        timm_swiglu_packed=timm_swiglu_packed(D, 48),
+        timm_swiglu=TimmSwiGLU(D, 24),
+        timm_norm=TimmGluMlp(D, 48, act_layer=nn.SiLU, norm_layer=nn.LayerNorm),  # activation only
+        timm_dropout=TimmGluMlp(D, 48, drop=0.25),                    # activation only in training
+        dinov2=Dinov2SwiGLUFFN(D, 24),
+        torchtitan=TorchtitanFeedForward(D, 24),
+        renamed_geglu=RenamedGeGLU(D, 24),
+        swapped=SwappedGateLookAlike(D, 24),                          # probe mismatch
+        tanh_glu=TimmGluMlp(D, 48, act_layer=nn.Tanh),                # unknown activation
+        prelu_glu=PReLUGlu(),                                         # learnable activation
+        plain_mlp=nn.Sequential(nn.Linear(D, 32), nn.GELU(), nn.Linear(32, D)),  # not a GLU
+    )
+    xops = _xformers_ops()
+    if xops is not None:
+        blocks["xformers"] = xops.SwiGLU(D, 24, D)
+    torch.manual_seed(0)
+    model = Residual(blocks)
+    with torch.no_grad():  # weights large enough that every block weighs in (and DeepSeek-V4 clamps)
+        for p in model.parameters():
+            p.normal_(0, 0.4)
+    return model
+
+
+def _xformers_ops():
+    try:
+        import xformers.ops as xops
+    except Exception:
+        return None
+    return xops
+
+
+FUSED = {"hf_gemma", "hf_phi3", "hf_deepseek_v4", "timm_glu", "timm_glu_gelu_first", "timm_swiglu_packed",
+         "timm_swiglu", "dinov2", "torchtitan", "renamed_geglu", "xformers"}
+PARTIAL = {"timm_norm", "timm_dropout"}
+SKIPPED = {"swapped": "probe mismatch", "tanh_glu": "unknown activation", "prelu_glu": "learnable activation"}
+
+
+def grads_of(model, x, seed):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.pow(2).mean().backward()
+    return y.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_mixed_model_forward_grads_report_state_dict_idempotent():
+    model = mixed_model()
+    names = set(model.blocks)
+    ref = copy.deepcopy(model)
+    report = sc.patch(model, strict=True)
+    paths = {k: {p.removeprefix("blocks.") for p in getattr(report, k)} for k in ("fused", "partial", "skipped")}
+    assert paths["fused"] == FUSED & names
+    assert paths["partial"] == PARTIAL
+    assert paths["skipped"] == set(SKIPPED)
+    for name, why in SKIPPED.items():
+        assert why in report.skipped[f"blocks.{name}"]
+        assert not isinstance(model.blocks[name], SwiGLUMLP)
+    assert "norm" in report.partial["blocks.timm_norm"] and "drop1" in report.partial["blocks.timm_dropout"]
+    assert report.fused["blocks.timm_glu"].startswith("sigmoid: fc1 (gate last)")
+    assert report.fused["blocks.torchtitan"] == "silu: w1/w3 -> w2"
+    text = str(report)
+    assert text.startswith(f"swiglu_cupy.patch: {len(paths['fused'])} fused, 2 activation only, 3 skipped")
+    assert re.search(r"blocks\.swapped\s+SwappedGateLookAlike\s+skipped\s+probe mismatch", text)
+    # Forward and every gradient, in training mode (dropout drawn from the same seed).
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(2))
+    y_ref, g_ref = grads_of(ref, x, seed=3)
+    y, g = grads_of(model, x, seed=3)
+    assert rel_rms(y, y_ref) < 1e-5
+    assert g.keys() == g_ref.keys()
+    for name, grad in g.items():
+        assert_nontrivial(grad, name)
+        assert rel_rms(grad, g_ref[name]) < 1e-5, name
+    # In eval mode the dropout block is fully fused too.
+    model.eval(), ref.eval()
+    assert model.blocks.timm_dropout.fusion() == "mlp"
+    with torch.no_grad():
+        assert rel_rms(model(x), ref(x)) < 1e-5
+    model.train(), ref.train()
+    # state_dict: same keys; each loads into the other.
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    assert list(sd) == list(sd_ref)
+    other, other_ref = mixed_model(), mixed_model()
+    assert len(sc.patch(other).fused) == len(paths["fused"])
+    other.load_state_dict(sd_ref)
+    other_ref.load_state_dict(sd)
+    with torch.no_grad():
+        model.eval(), other.eval(), other_ref.eval(), ref.eval()
+        torch.testing.assert_close(other(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(other_ref(x), ref(x), rtol=0, atol=0)
+    # Patching again changes nothing and says so.
+    model.train()
+    classes = {n: type(m) for n, m in model.named_modules()}
+    again = sc.patch(model)
+    assert (set(again.fused), set(again.partial), set(again.skipped)) == \
+        (set(report.fused), set(report.partial), set(report.skipped))
+    assert all(v.endswith("(already fused)") for v in (*again.fused.values(), *again.partial.values()))
+    assert {n: type(m) for n, m in model.named_modules()} == classes
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), other(x), rtol=0, atol=0)
+
+
+def test_dinov2_without_xformers():
+    """DINOv2 with XFORMERS_DISABLED=1 builds its own SwiGLUFFN (w12/w3, not
+    xformers'): patch_xformers finds nothing and says where to go; patch
+    fuses it with w12 used in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Dinov2SwiGLUFFN(D, 24), Dinov2SwiGLUFFN(D, 24, bias=False))
+    ref = copy.deepcopy(model)
+    assert patch_xformers(model) == 0
+    with pytest.raises(ValueError, match=r"swiglu_cupy\.patch\(model\)"):
+        patch_xformers(model, strict=True)
+    report = sc.patch(model, strict=True)
+    assert set(report.fused) == {"0", "1"} and report.fused["0"] == "silu: w12 (gate first) -> w3"
+    x = torch.randn(4, D, requires_grad=True)
+    y, y_ref = model(x), ref(x)
+    assert rel_rms(y, y_ref) < 1e-6
+    gx, gw = torch.autograd.grad(y.sum(), [x, model[0].w12.weight])
+    gx_ref, gw_ref = torch.autograd.grad(y_ref.sum(), [x, ref[0].w12.weight])
+    assert rel_rms(gx, gx_ref) < 1e-6 and rel_rms(gw, gw_ref) < 1e-6
+
+
+def test_root_module_and_strict():
+    torch.manual_seed(0)
+    root = TorchtitanFeedForward(D, 24)
+    assert set(sc.patch(root, strict=True).fused) == {""}
+    assert "<model>" in str(sc.patch(root))
+    with pytest.raises(ValueError, match=r"nothing fused in Sequential.*\n  0: probe mismatch"):
+        sc.patch(nn.Sequential(SwappedGateLookAlike(D, 24), nn.Linear(D, D)), strict=True)
+    with pytest.raises(ValueError, match="nothing fused"):
+        sc.patch(nn.Linear(4, 4), strict=True)
+    assert str(sc.patch(nn.Linear(4, 4))).endswith("(no GLU feed-forward found)")
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        sc.patch(root, strict=1)
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        sc.patch("model")
+
+
+def test_hidden_clamp_is_caught():
+    """A clamp written into a forward (no limit attribute) is hit by the
+    probe's large rows: the module is left alone, not fused unclamped."""
+
+    class HiddenClamp(TorchtitanFeedForward):
+        def forward(self, x):
+            return self.w2(torch.nn.functional.silu(self.w1(x).clamp(max=10.0)) * self.w3(x))
+
+    report = sc.patch(nn.Sequential(HiddenClamp(D, 24)))
+    assert set(report.skipped) == {"0"} and "probe mismatch" in report.skipped["0"]
