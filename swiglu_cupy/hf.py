@@ -39,8 +39,13 @@ activation is none of these runs its original forward. ``patch_model`` also chec
 module's own forward against the fused one on a probe input before patching it,
 so look-alikes that compute something else are left alone.
 
-This module does not import ``transformers`` (``apply_to("llama")`` imports the
-modeling module it names); it works on any ``nn.Module``.
+Mixture-of-experts modules (``@use_experts_implementation`` experts) are
+switched to swiglu_cupy's experts implementation by ``patch_model`` too and
+counted among the patched; importing this module registers that
+implementation with transformers' ``ExpertsInterface`` as ``"swiglu_cupy"``
+(when transformers is installed, which it then imports), so
+``from_pretrained(..., experts_implementation="swiglu_cupy")`` works. See
+:mod:`swiglu_cupy.hf_experts`. Everything else works on any ``nn.Module``.
 """
 from __future__ import annotations
 
@@ -57,6 +62,7 @@ from .activations import SILU
 from .module import SwiGLU
 from .patching import (KNOWN_ACTIVATIONS, FusedGLUMLP, GLUPlan, _rows_match, choose_plan, fused_class,
                        hf_candidates, install, run_plan)
+from .hf_experts import patch_experts  # registers "swiglu_cupy" with transformers' ExpertsInterface
 from .reference import glu_reference
 
 __all__ = ["SwiGLUMLP", "patch_model", "apply_to", "unapply", "patch_mapping", "is_swiglu_mlp", "ACTIVATIONS"]
@@ -137,6 +143,7 @@ def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
             continue
         install(module, plan, recompute_gate_up, inplace_backward)
         patched += 1
+    patched += patch_experts(model, recompute_gate_up=recompute_gate_up)
     if strict and patched == 0:
         detail = (f" {len(skipped)} candidate(s) had gate/up/down projections and a known activation "
                   f"but a forward that does not compute down(act(gate(x)) * up(x)) (or could not be probed): "

@@ -642,14 +642,12 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def patch_hf_experts(model: nn.Module) -> int:
-    """The Hugging Face MoE experts modules, through ``swiglu_cupy.hf_experts``
-    when this install has it (0 when it does not)."""
-    try:
-        from . import hf_experts
-    except ImportError:
-        return 0
-    return hf_experts.patch_experts(model)
+def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False) -> int:
+    """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
+    experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
+    from . import hf_experts  # imports transformers only when a model could hold its experts
+
+    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up)
 
 
 def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recompute_gate_up: bool = False,
@@ -709,7 +707,7 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
             continue
         install(module, plan, recompute_gate_up, inplace_backward)
         _record(report, path, module)
-    report.experts = patch_hf_experts(model)
+    report.experts = patch_hf_experts(model, recompute_gate_up)
     if strict and not len(report):
         detail = "".join(f"\n  {p or '<model>'}: {r}" for p, r in list(report.skipped.items())[:8])
         raise ValueError(f"patch(strict=True): nothing fused in {type(model).__name__}: no GLU feed-forward "

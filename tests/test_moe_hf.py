@@ -342,3 +342,25 @@ def test_cuda_bf16_as_close_to_fp32_as_hf_grouped_mm(family):
         if ".experts." in name:
             assert_nontrivial(ours[1][name], name)
             assert _rel(ours[1][name], ref_grads[name]) <= 1.5 * _rel(hf[1][name], ref_grads[name]) + half_ulp, name
+
+
+def test_patch_model_and_patch_switch_the_experts_too():
+    """hf.patch_model counts the experts modules among the patched, and
+    swiglu_cupy.patch reports them; logits stay those of HF's eager experts."""
+    import swiglu_cupy as sc
+    from swiglu_cupy.hf import patch_model
+
+    for entry in ("patch_model", "patch"):
+        model = tiny_model("mixtral")
+        model.set_experts_implementation("eager")
+        ids = _ids()
+        with torch.no_grad():
+            expected = model(ids).logits
+        if entry == "patch_model":
+            assert patch_model(model) == sum(hx.is_hf_experts(m) for m in model.modules()) > 0
+        else:
+            report = sc.patch(model)
+            assert report.experts == sum(hx.is_hf_experts(m) for m in model.modules()) > 0
+        assert all(hx.experts_plan(m).activation is not None for m in model.modules() if hx.is_hf_experts(m))
+        with torch.no_grad():
+            assert _rel(model(ids).logits, expected) <= LOGITS_RTOL
