@@ -27,7 +27,8 @@
 #endif
 // Caps registers so the largest launch candidate's block always fits an SM
 // (a kernel using more registers than that would fail to launch).
-#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__(SWIGLU_MAX_THREADS_PER_BLOCK, 1)
+// Each variant's entries may redefine it (_sources.variant_entries).
+#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__(SWIGLU_MAX_THREADS_PER_BLOCK)
 
 typedef SWIGLU_SCALAR scalar_t;
 typedef long long index_t;

@@ -124,7 +124,13 @@ def variant_entries(variant: KernelVariant) -> str:
     """One variant's functor typedef and its 12 entry points (appended to
     the kernel files; the host harness appends several variants' at once)."""
     functor = f"glu_{variant.kind}{'_clamp' if variant.clamp else ''}_t"
-    lines = [f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
+    # SwiGLU keeps ptxas's own register choice (as before the other variants
+    # existed). The others allow up to 65536 / 512 registers: left to its
+    # heuristic, ptxas capped some of them at 64 on sm_90 and spilled.
+    min_blocks = "" if variant == DEFAULT_VARIANT else ", 1"
+    lines = ["#undef SWIGLU_LAUNCH_BOUNDS",
+             f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__(SWIGLU_MAX_THREADS_PER_BLOCK{min_blocks})",
+             f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
     for kind, vectorized, packs in _instances():
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
         macro = f"GLU_{kind.split('_')[1].upper()}{'_PAIRS' if variant.interleaved else ''}_ENTRY"

@@ -48,8 +48,8 @@ def test_every_kernel_dtype_and_arch_compiles_without_spills(matrix):
         assert not r.spills and r.stack_bytes == 0, r
         # The largest candidate block must launch: registers x threads <= 64K.
         assert 0 < r.registers * MAX_THREADS_PER_BLOCK <= 65536, r
-        if r.kernel.endswith("_p1"):
-            assert r.registers <= 64, r           # the default stays at full occupancy
+        if r.kernel.startswith("swiglu_") and r.kernel.endswith("_p1"):
+            assert r.registers <= 64, r           # SwiGLU's default launch keeps its occupancy
 
 
 def test_launch_candidates_only_use_compiled_instances_and_block_sizes():
