@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .activations import GLUActivation
+from .activations import GPT_OSS, GLUActivation
 from .moe import check_expert_ids, route_and_combine
 from .reference import glu_reference, split_gate_up
 
@@ -140,8 +140,21 @@ def _default_gate_spec(module) -> GLUActivation | None:
     return None if kind is None else GLUActivation(kind)
 
 
+def _gpt_oss_param(module, name: str, config_name: str, default: float) -> float:
+    """GPT-OSS's gate constant as its ``_apply_gate`` reads it: the module's
+    attribute (transformers 5.17 sets the constant there, 5.24 copies
+    ``config.swiglu_*``), else the config's, else the published constant.
+    ``_gate_matches`` verifies the result either way."""
+    value = getattr(module, name, None)
+    if value is None:
+        value = getattr(getattr(module, "config", None), config_name, None)
+    return float(default if value is None else value)
+
+
 def _gpt_oss_spec(module) -> GLUActivation:
-    return GLUActivation("oai", limit=module.limit, alpha=module.alpha, up_offset=1.0, interleaved=True)
+    return GLUActivation("oai", limit=_gpt_oss_param(module, "limit", "swiglu_limit", GPT_OSS.limit),
+                         alpha=_gpt_oss_param(module, "alpha", "swiglu_alpha", GPT_OSS.alpha),
+                         up_offset=1.0, interleaved=True)
 
 
 def _deepseek_v4_spec(module) -> GLUActivation | None:

@@ -439,7 +439,10 @@ def _sum_per_token(rows: torch.Tensor, inv_perm: torch.Tensor, K: int, dtype: to
     """[T, D]: each token's K rows (``rows`` in expert order) summed in a fixed
     order in fp32 (float64 for float64), rounded once to ``dtype``."""
     acc = torch.promote_types(rows.dtype, torch.float32)
-    return rows.index_select(0, inv_perm).view(-1, K, rows.shape[1]).sum(1, dtype=acc).to(dtype)
+    out = rows.index_select(0, inv_perm).view(-1, K, rows.shape[1]).sum(1, dtype=acc)
+    # No no-op .to(): torch 2.11's torch.compile gives an autograd.Function whose
+    # forward returns such a self-alias (.to(same dtype), .contiguous()) zero gradients.
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 class _Dispatch(_LeanApplyFunction):

@@ -19,9 +19,10 @@ moe_integration = pytest.importorskip("transformers.integrations.moe")
 
 import swiglu_cupy.hf_experts as hx  # noqa: E402
 from conftest import assert_nontrivial  # noqa: E402
-from swiglu_cupy.activations import GLUActivation  # noqa: E402
+from swiglu_cupy.activations import GPT_OSS, GLUActivation  # noqa: E402
 from swiglu_cupy.bench.moe import (MEMORY_GOAL, TINY_FAMILIES, experts_modules, family_memory,  # noqa: E402
                                    tiny_model, use_implementation)
+from swiglu_cupy.reference import glu_reference, split_gate_up  # noqa: E402
 
 FAMILIES = list(TINY_FAMILIES)
 LOGITS_RTOL = 1e-5      # fp32, relative (issue 18)
@@ -79,8 +80,17 @@ def test_plans_map_each_family_to_its_activation(family):
     plans = {hx.experts_plan(m) for m in experts_modules(model)}
     cfg = model.config
     if family == "gpt_oss":
-        expected = hx.ExpertsPlan(GLUActivation("oai", limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, up_offset=1.0,
-                                                interleaved=True), transposed=True)
+        if hasattr(type(cfg), "swiglu_alpha"):  # transformers 5.24: the experts read config.swiglu_*
+            spec = GLUActivation("oai", limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha, up_offset=1.0,
+                                 interleaved=True)
+        else:  # 5.17: the experts hard-code the published constants (tiny_model's swiglu_limit is ignored)
+            spec = GPT_OSS
+        # The expectation is the model's own gate: a probe across the clamp limits.
+        x12 = torch.linspace(-2 * spec.limit, 2 * spec.limit, 6 * 8, dtype=torch.float64).view(6, 8)
+        for m in experts_modules(model):
+            torch.testing.assert_close(m._apply_gate(x12.clone()), glu_reference(*split_gate_up(x12, spec), spec),
+                                       rtol=1e-12, atol=1e-12)
+        expected = hx.ExpertsPlan(spec, transposed=True)
     elif family == "deepseek_v4":
         expected = hx.ExpertsPlan(GLUActivation("silu", limit=cfg.swiglu_limit))
     else:
