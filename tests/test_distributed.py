@@ -14,6 +14,7 @@ machine without CUDA it runs the same case on gloo + CPU):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import warnings
 from pathlib import Path
@@ -60,9 +61,9 @@ class Stack(nn.Module):
     ``ckpt``: None, "non_reentrant" or "reentrant" checkpoint around blocks.
     """
 
-    def __init__(self, ckpt: str | None = None):
+    def __init__(self, ckpt: str | None = None, activation="silu"):
         super().__init__()
-        self.blocks = nn.ModuleList(sc.SwiGLU(D, H) for _ in range(N_BLOCKS))
+        self.blocks = nn.ModuleList(sc.SwiGLU(D, H, activation=activation) for _ in range(N_BLOCKS))
         self.norm = nn.LayerNorm(D)  # owned by the root: FSDP2's root group
         self.ckpt = ckpt
 
@@ -79,6 +80,15 @@ class Stack(nn.Module):
 def build_model(ckpt=None) -> Stack:
     torch.manual_seed(0)
     return Stack(ckpt)
+
+
+# GPT-OSS's form (OAI, interleaved) with a limit the blocks' x12 crosses, so the clamps cut.
+GPT_OSS_TIGHT = dataclasses.replace(sc.GPT_OSS, limit=0.5)
+
+
+def build_gpt_oss_model(ckpt=None) -> Stack:
+    torch.manual_seed(0)
+    return Stack(ckpt, activation=GPT_OSS_TIGHT)
 
 
 def global_batch():
@@ -330,6 +340,8 @@ def _run_case(case, rank, world, device="cpu"):
         return getattr(importlib.import_module(module), function)(rank, world)
     if case == "fsdp2":
         return _case_fsdp2(rank, world)
+    if case == "fsdp2_gpt_oss":
+        return _case_fsdp2(rank, world, build=build_gpt_oss_model)
     if case == "fsdp2_bf16":
         return _case_fsdp2(rank, world, mixed_precision=True)
     if case == "fsdp2_meta_init":
@@ -387,6 +399,15 @@ def test_fsdp2_checkpoint_input_without_grad(tmp_path, monkeypatch):
         assert_matches(result, ref)
         _no_view_warnings(result)
         assert result["views"] and not any(result["views"])
+
+
+def test_fsdp2_checkpoint_with_a_glu_variant(tmp_path, monkeypatch):
+    """The same with GPT-OSS's clamped, interleaved variant: FSDP2 shards the
+    interleaved w12 by rows and all-gathers it whole, so the variant's fused
+    op sees the unsharded layout."""
+    ref = reference_run(build=build_gpt_oss_model)
+    for result in launch("fsdp2_gpt_oss", tmp_path, monkeypatch):
+        assert_matches(result, ref)
 
 
 def test_fsdp2_meta_init_to_empty_reset_parameters(tmp_path, monkeypatch):
