@@ -130,3 +130,20 @@ def assert_compiled_matches_eager(model, x, tol):
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), y_eager, rtol=tol, atol=tol)
     return y_eager
+
+
+def onnx_run_with_standard_ops(model, x, tmp_path):
+    """``torch.onnx.export(model, (x,), dynamo=True)``, saved and run by ONNX
+    Runtime; asserts the graph uses standard ONNX domains only (no custom op
+    of ours). Returns ORT's output as a torch tensor."""
+    ort = pytest.importorskip("onnxruntime")
+    program = torch.onnx.export(model, (x,), dynamo=True)
+    path = tmp_path / "model.onnx"
+    program.save(str(path))
+    domains = {node.domain for node in program.model_proto.graph.node}
+    for function in program.model_proto.functions:
+        domains |= {node.domain for node in function.node}
+    assert domains <= {"", "ai.onnx"}, domains
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    return torch.from_numpy(out)

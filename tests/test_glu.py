@@ -17,7 +17,7 @@ import swiglu_cupy as sc
 from swiglu_cupy import ops, primitives, reference
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
 from swiglu_cupy.module import _interleave
-from conftest import assert_compiled_matches_eager, assert_nontrivial, rel_rms
+from conftest import assert_compiled_matches_eager, assert_nontrivial, onnx_run_with_standard_ops, rel_rms
 
 D, H, O = 32, 48, 24
 # As test_api.py: float64 reference from the same rounded inputs; bf16 allows
@@ -278,19 +278,10 @@ def test_torch_func_grad_and_vmap():
 
 
 def test_onnx_export_of_the_variants_uses_standard_ops(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(9)
     model = torch.nn.Sequential(sc.SwiGLU(D, H, D, activation=GPT_OSS), sc.SwiGLU(D, H, D, activation="gelu"),
                                 sc.SwiGLU(D, H, D, activation=deepseek_v4(1.0))).eval()
     x = torch.randn(2, 3, D) * 3
-    program = torch.onnx.export(model, (x,), dynamo=True)
-    path = tmp_path / "glu.onnx"
-    program.save(str(path))
-    domains = {node.domain for node in program.model_proto.graph.node}
-    for function in program.model_proto.functions:
-        domains |= {node.domain for node in function.node}
-    assert domains <= {"", "ai.onnx"}, domains
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    out = onnx_run_with_standard_ops(model, x, tmp_path)
     with torch.no_grad():
-        torch.testing.assert_close(torch.from_numpy(out), model(x), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)

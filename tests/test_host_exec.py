@@ -208,6 +208,17 @@ def _assert_loops(config, launch, M, H, vec):
     return rows_loop, cols_loop
 
 
+def _assert_grid_loops_used(host_launcher, config, M, H, vec, cap, label) -> None:
+    """Every recorded launch covers the tile; a capped grid on a tall (wide)
+    shape must take the row (column) grid-stride loop."""
+    path_vec = vec if H % vec == 0 else 1
+    loops = {_assert_loops(config, launch, M, H, path_vec) for launch in host_launcher.launches}
+    if cap is not None and label == "tall":
+        assert all(rows for rows, _ in loops), loops
+    if cap is not None and label == "wide":
+        assert all(cols for _, cols in loops), loops
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("config", LAUNCH_CANDIDATES, ids=lambda c: c.label.replace(" ", "-"))
 def test_every_launch_candidate_is_correct(host_launcher, config, dtype):
@@ -228,12 +239,7 @@ def test_every_launch_candidate_is_correct(host_launcher, config, dtype):
         _check(x12, dh, h=h, dx12=torch.cat([dgate, dup], dim=1))
         _check(x12, dh, h=h_x12, dx12=dx12)
         assert torch.equal(h, h_bwd) and torch.equal(h, h_x12)
-        path_vec = vec if H % vec == 0 else 1
-        loops = {_assert_loops(config, launch, M, H, path_vec) for launch in host_launcher.launches}
-        if cap is not None and label == "tall":
-            assert all(rows for rows, _ in loops), loops
-        if cap is not None and label == "wide":
-            assert all(cols for _, cols in loops), loops
+        _assert_grid_loops_used(host_launcher, config, M, H, vec, cap, label)
         # Same config through the explicit keyword of the kernel path.
         assert torch.equal(kernels.launch_swiglu_forward(x12, None, host_launcher, launch_config=config), h)
 
@@ -332,12 +338,7 @@ def test_every_launch_candidate_on_the_interleaved_layout(host_launcher, config,
             dx12, h_bwd = primitives.swiglu_backward(x12, dh, launcher=host_launcher, activation=spec)
         _check_glu(x12, dh, spec, h=h, dx12=dx12)
         assert torch.equal(h, h_bwd)
-        path_vec = vec if H % vec == 0 else 1
-        loops = {_assert_loops(config, launch, M, H, path_vec) for launch in host_launcher.launches}
-        if cap is not None and label == "tall":
-            assert all(rows for rows, _ in loops), loops
-        if cap is not None and label == "wide":
-            assert all(cols for _, cols in loops), loops
+        _assert_grid_loops_used(host_launcher, config, M, H, vec, cap, label)
 
 
 def test_interleaved_vector_path_reads_x12_in_place(host_launcher, monkeypatch):

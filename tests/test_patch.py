@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import swiglu_cupy as sc
+import swiglu_cupy.hf_experts as hx
 from conftest import assert_nontrivial, rel_rms
 from glu_zoo import (Dinov2SwiGLUFFN, RenamedGeGLU, SwappedGateLookAlike, TimmGluMlp, TimmSwiGLU,
                      TorchtitanFeedForward, timm_swiglu_packed)
@@ -82,7 +83,9 @@ def test_hf_family_parity_with_checkpointing(family):
         assert str(mlp.swiglu_activation) == act
         assert (mlp.swiglu_plan.packed == "gate_up_proj") == packed
     assert list(patched.state_dict()) == list(unpatched.state_dict())
-    assert patch_model(copy.deepcopy(unpatched)) == n  # the narrow entry fuses the same modules
+    experts = sum(hx.is_hf_experts(m) for m in unpatched.modules())  # MoE families: counted too
+    assert report.experts == experts
+    assert patch_model(copy.deepcopy(unpatched)) == n + experts  # the narrow entry fuses the same modules
     if family == "deepseek_v4":  # the clamp is hit, on both sides
         mlp = gated_mlps(unpatched)[0]
         seen = []

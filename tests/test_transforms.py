@@ -16,7 +16,7 @@ from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import swiglu_cupy as sc
 from swiglu_cupy import ops, primitives
-from conftest import assert_nontrivial
+from conftest import assert_nontrivial, onnx_run_with_standard_ops
 
 D, H, O = 12, 20, 10
 TOL = dict(rtol=1e-10, atol=1e-10)  # float64 throughout: same math, different op order
@@ -246,7 +246,6 @@ def test_per_sample_gradients_of_a_two_layer_model():
 # ---- ONNX -------------------------------------------------------------------------------------
 
 def test_onnx_export_uses_standard_ops_and_matches_onnxruntime(tmp_path):
-    ort = pytest.importorskip("onnxruntime")
     torch.manual_seed(6)
     model = nn.Sequential(sc.SwiGLU(D, H, D), nn.Linear(D, D))
     gate_up = nn.Linear(D, 2 * H)
@@ -262,18 +261,10 @@ def test_onnx_export_uses_standard_ops_and_matches_onnxruntime(tmp_path):
 
     wrapped = WithSiluMul().eval()
     x = torch.randn(2, 3, D)
-    program = torch.onnx.export(wrapped, (x,), dynamo=True)
-    path = tmp_path / "model.onnx"
-    program.save(str(path))
-    domains = {node.domain for node in program.model_proto.graph.node}
-    for function in program.model_proto.functions:
-        domains |= {node.domain for node in function.node}
-    assert domains <= {"", "ai.onnx"}, domains
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    out = onnx_run_with_standard_ops(wrapped, x, tmp_path)
     with torch.no_grad():
         expected = wrapped(x)
-    torch.testing.assert_close(torch.from_numpy(out), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
 
 
 # ---- nn.Module conventions --------------------------------------------------------------------
