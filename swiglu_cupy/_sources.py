@@ -128,14 +128,28 @@ def variant_entries(variant: KernelVariant) -> str:
     # existed). The others allow up to 65536 / 512 registers: left to its
     # heuristic, ptxas capped some of them at 64 on sm_90 and spilled.
     min_blocks = "" if variant == DEFAULT_VARIANT else ", 1"
-    lines = ["#undef SWIGLU_LAUNCH_BOUNDS",
-             f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__(SWIGLU_MAX_THREADS_PER_BLOCK{min_blocks})",
-             f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
+    lines = [f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
     for kind, vectorized, packs in _instances():
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
         macro = f"GLU_{kind.split('_')[1].upper()}{'_PAIRS' if variant.interleaved else ''}_ENTRY"
-        lines.append(f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})")
+        lines += ["#undef SWIGLU_LAUNCH_BOUNDS",
+                  f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}{min_blocks})",
+                  f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})"]
     return "\n".join(lines)
+
+
+# The other variants' 4-pack instances hold too many values per thread for
+# the 128 registers a 512-thread block leaves (fp64, and the GELU-tanh
+# backward, spilled on sm_100): they are built for blocks of at most 256
+# threads (up to 255 registers), and the launcher caps their blocks to that.
+_WIDE_TILE_MAX_THREADS = 256
+
+
+def max_threads_per_block(variant: KernelVariant, packs_per_thread: int) -> int:
+    """The largest block an instance is compiled (and launched) for."""
+    if variant != DEFAULT_VARIANT and packs_per_thread == 4:
+        return _WIDE_TILE_MAX_THREADS
+    return MAX_THREADS_PER_BLOCK
 
 
 def kernel_files_source() -> str:

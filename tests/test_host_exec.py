@@ -6,8 +6,8 @@ import torch
 
 import swiglu_cupy
 from swiglu_cupy import primitives, reference
-from swiglu_cupy._sources import VARIANTS, kernel_name, kernel_variant
-from swiglu_cupy.activations import GPT_OSS
+from swiglu_cupy._sources import VARIANTS, kernel_name, kernel_variant, variant_of_kernel
+from swiglu_cupy.activations import GPT_OSS, SILU as SILU_SPEC
 from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, using_launch_config
 from swiglu_cupy.primitives import kernels
 from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, glu_error_bounds,
@@ -198,6 +198,7 @@ def _assert_loops(config, launch, M, H, vec):
     kernels' grid-stride loops must have iterated (rows or columns)."""
     name, grid, block = launch
     assert name.endswith(f"_p{config.packs_per_thread}")
+    config = kernels.effective_launch_config(config, variant_of_kernel(name))
     assert block[0] * block[1] == config.threads_per_block
     cap = config.max_blocks(kernels.HOST_SM_COUNT)
     if cap is None:
@@ -327,7 +328,8 @@ def test_every_launch_candidate_on_the_interleaved_layout(host_launcher, config,
     tall, wide and odd-H cases as for the halves layout above."""
     spec = GPT_OSS
     vec = _vec(dtype)
-    cap = config.max_blocks(kernels.HOST_SM_COUNT)
+    # The grid cap of the block the variant's instance really launches with.
+    cap = kernels.effective_launch_config(config, kernel_variant(spec)).max_blocks(kernels.HOST_SM_COUNT)
     wide_H = vec * 128 * config.packs_per_thread * (cap or 1) + 3 * vec
     for label, M, H in [("tall", 600, 40), ("wide", 2, wide_H), ("odd", 37, 4 * 129 * config.packs_per_thread + 1)]:
         x12, dh = _glu_inputs(M, H, dtype, spec, seed=H)
@@ -381,3 +383,18 @@ def test_whole_function_with_host_kernels_for_a_variant(host_launcher, spec):
     for p, p_ref in zip([x, m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias], [x_ref, *ref_params]):
         assert_nontrivial(p.grad, "param")
         assert rel_rms(p.grad, p_ref.grad) < 1e-5
+
+
+def test_wide_tiles_of_the_variants_launch_in_smaller_blocks(host_launcher):
+    """The other variants' 4-pack instances are built for 256-thread blocks:
+    a 512-thread config launches them with 256 (and stays correct); SwiGLU's
+    keep the full block."""
+    config = LaunchConfig(packs_per_thread=4, threads_per_block=512)
+    x12 = torch.randn(64, 2 * 96)
+    for spec, threads in ((GPT_OSS, 256), (SILU_SPEC, 512)):
+        host_launcher.launches.clear()
+        with using_launch_config(config):
+            h = primitives.swiglu_forward(x12, launcher=host_launcher, activation=spec)
+        assert {block[0] * block[1] for _, _, block in host_launcher.launches} == {threads}
+        torch.testing.assert_close(h, primitives.swiglu_forward(x12, implementation="torch", activation=spec),
+                                   rtol=1e-6, atol=1e-6)

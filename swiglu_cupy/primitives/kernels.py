@@ -19,13 +19,14 @@ The launch shape comes from ``launch_config=`` or, when None, from
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 import torch
 
 from .._launch import cupy_launcher, device_index, i64, pointer
-from .._sources import kernel_name, kernel_variant, vector_width
+from .._sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
 from ..activations import SILU, GLUActivation
 from ..launch_config import LaunchConfig, current_launch_config
 
@@ -83,12 +84,22 @@ def launch_shape(M: int, H: int, vec: int, config: LaunchConfig, sm_count: int
     return (grid_x, grid_y, 1), (block_x, block_y, 1)
 
 
+def effective_launch_config(config: LaunchConfig, variant) -> LaunchConfig:
+    """``config`` with its block capped to what the instance was compiled for
+    (``_sources.max_threads_per_block``); the same config otherwise."""
+    limit = max_threads_per_block(variant, config.packs_per_thread)
+    if config.threads_per_block <= limit:
+        return config
+    return dataclasses.replace(config, threads_per_block=limit)
+
+
 def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: torch.Tensor,
             M: int, H: int, args, activation: GLUActivation) -> None:
     if M == 0 or H == 0:
         return  # an empty grid is a CUDA launch error; there is nothing to do
-    config = config or current_launch_config()
-    name = kernel_name(kind, vec > 1, config.packs_per_thread, kernel_variant(activation))
+    variant = kernel_variant(activation)
+    config = effective_launch_config(config or current_launch_config(), variant)
+    name = kernel_name(kind, vec > 1, config.packs_per_thread, variant)
     sms = sm_count(ref.device) if config.grid_waves is not None else 0
     grid, block = launch_shape(M, H, vec, config, sms)
     (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block,
