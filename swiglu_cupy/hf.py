@@ -190,8 +190,8 @@ def _class_matches(cls: type, layout: str, clamped: bool, act: str) -> bool:
         widths = ((8, 12), (8, 12), (12, 8)) if layout == "separate" else ((8, 24), (12, 8))
         for name, (n_in, n_out) in zip(names, widths):
             lin = nn.Linear(n_in, n_out, device="meta")
-            lin.weight = nn.Parameter(torch.randn(n_out, n_in, generator=gen))
-            lin.bias = nn.Parameter(torch.randn(n_out, generator=gen))
+            lin.weight = nn.Parameter(torch.randn(n_out, n_in, generator=gen, device="cpu"))
+            lin.bias = nn.Parameter(torch.randn(n_out, generator=gen, device="cpu"))
             setattr(probe, name, lin)
         spec = ACTIVATIONS[act]
         for name in _ACT_NAMES:
@@ -201,7 +201,7 @@ def _class_matches(cls: type, layout: str, clamped: bool, act: str) -> bool:
             spec = dataclasses.replace(spec, limit=_PROBE_LIMIT)
         plan = GLUPlan(down="down_proj", activation=spec,
                        **(dict(gate="gate_proj", up="up_proj") if layout == "separate" else dict(packed="gate_up_proj")))
-        x = torch.randn(6, 8, generator=gen)
+        x = torch.randn(6, 8, generator=gen, device="cpu")
         with torch.no_grad():
             return _rows_match(cls.forward(probe, x), run_plan(probe, x, plan), torch.float32)
     except Exception:

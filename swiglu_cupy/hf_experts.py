@@ -119,7 +119,7 @@ def _kind_of(act) -> str | None:
 
     if not callable(act) or (isinstance(act, nn.Module) and any(True for _ in act.parameters())):
         return None
-    t = torch.linspace(-10.0, 10.0, 401, dtype=torch.float64)
+    t = torch.linspace(-10.0, 10.0, 401, dtype=torch.float64, device="cpu")
     refs = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "gelu": F.gelu,
             "relu": F.relu, "sigmoid": torch.sigmoid, "identity": lambda v: v}
     try:

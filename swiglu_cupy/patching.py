@@ -262,7 +262,8 @@ def identify_activation(act, dtype=torch.float32) -> GLUActivation | None:
         return None
     if isinstance(act, nn.Module) and any(True for _ in act.parameters()):
         return None  # learnable: the fused ops would ignore its parameters
-    t = torch.linspace(-12.0, 12.0, 1001, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    t = torch.linspace(-12.0, 12.0, 1001, dtype=torch.float64 if dtype == torch.float64 else torch.float32,
+                       device="cpu")  # explicit: a model may be built under `with torch.device("meta")`
     try:
         with torch.no_grad():
             out = act(t)
@@ -484,7 +485,8 @@ class _Probe:
         first = module._modules[plan.packed or plan.gate]
         self.module, self.device, self.dtype = module, *_device_dtype(module, first)
         gen = torch.Generator(device="cpu").manual_seed(1234)
-        x = torch.randn(4, cands.in_features, generator=gen, dtype=torch.float32).to(self.device, self.dtype)
+        x = torch.randn(4, cands.in_features, generator=gen, dtype=torch.float32, device="cpu")
+        x = x.to(self.device, self.dtype)
         # Two more rows, scaled so that the projections reach past any clamp
         # (the stated limit, or _HIDDEN_CLAMP_REACH).
         limit = max((p.activation.limit or 0.0) for p in cands.plans) or _HIDDEN_CLAMP_REACH / 4

@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers: p
 from conftest import assert_nontrivial, rel_rms  # noqa: E402
 
 from swiglu_cupy import ops  # noqa: E402
+import swiglu_cupy as sc  # noqa: E402
 from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_mapping, patch_model, unapply  # noqa: E402
 
 FAMILIES = ("llama", "qwen2", "mistral")
@@ -232,3 +233,19 @@ def test_export_then_onnx_under_no_grad_matches_onnxruntime():
     feeds = {session.get_inputs()[0].name: x.numpy()}
     logits = torch.from_numpy(session.run(None, feeds)[0])
     assert rel_rms(logits, expected) < 1e-5
+
+
+def test_patching_inside_a_meta_device_context():
+    """transformers builds skeletons under ``with torch.device("meta")`` and
+    post_init hooks (class-level patching) run inside it: the probes must not
+    create meta tensors of their own."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, vocab_size=128, hidden_act="silu",
+                               pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+        assert patch_model(model) == 2
+        report = sc.patch(AutoModelForCausalLM.from_config(cfg))
+    assert len(report.fused) == 2, report
