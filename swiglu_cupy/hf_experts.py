@@ -44,6 +44,7 @@ from torch import nn
 
 from .activations import GPT_OSS, GLUActivation
 from .moe import check_expert_ids, route_and_combine
+from .patching import identify_activation
 from .reference import glu_reference, split_gate_up
 
 __all__ = ["NAME", "register", "patch_experts", "experts_forward", "experts_plan", "is_hf_experts", "ExpertsPlan"]
@@ -114,25 +115,10 @@ def is_hf_experts(module: nn.Module) -> bool:
 # ---- the gate: which activation spec, checked on a probe --------------------------------------
 
 def _kind_of(act) -> str | None:
-    """The plain GLU kind a parameter-free activation computes (by value), or None."""
-    import torch.nn.functional as F
-
-    if not callable(act) or (isinstance(act, nn.Module) and any(True for _ in act.parameters())):
-        return None
-    t = torch.linspace(-10.0, 10.0, 401, dtype=torch.float64, device="cpu")
-    refs = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "gelu": F.gelu,
-            "relu": F.relu, "sigmoid": torch.sigmoid, "identity": lambda v: v}
-    try:
-        with torch.no_grad():
-            out = act(t.clone())
-    except Exception:
-        return None
-    if not isinstance(out, torch.Tensor) or out.shape != t.shape:
-        return None
-    for kind in _KINDS_BY_VALUE:
-        if torch.allclose(out.double(), refs[kind](t), rtol=1e-9, atol=1e-12):
-            return kind
-    return None
+    """The plain GLU kind a parameter-free activation computes (by value, in
+    float64), or None."""
+    spec = identify_activation(act, torch.float64)
+    return spec.kind if spec is not None and spec.kind in _KINDS_BY_VALUE else None
 
 
 def _default_gate_spec(module) -> GLUActivation | None:

@@ -271,8 +271,10 @@ def identify_activation(act, dtype=torch.float32) -> GLUActivation | None:
         return None
     if not isinstance(out, torch.Tensor) or out.shape != t.shape:
         return None
+    # float32 activations match to a few ulps; a float64 probe asks for float64 agreement.
+    rtol, atol = (1e-9, 1e-12) if t.dtype == torch.float64 else (1e-5, 1e-6)
     for spec in KNOWN_ACTIVATIONS.values():
-        if torch.allclose(out.to(t.dtype), glu_reference(t, torch.ones_like(t), spec), rtol=1e-5, atol=1e-6):
+        if torch.allclose(out.to(t.dtype), glu_reference(t, torch.ones_like(t), spec), rtol=rtol, atol=atol):
             return spec
     return None
 
