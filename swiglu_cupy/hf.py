@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from ._sources import SUPPORTED_DTYPES
+from ._validation import check_flags
 from .activations import SILU
 from .module import SwiGLU
 from .patching import (KNOWN_ACTIVATIONS, FusedGLUMLP, GLUPlan, _rows_match, choose_plan, fused_class,
@@ -127,10 +128,7 @@ def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    for name, value in (("recompute_gate_up", recompute_gate_up), ("inplace_backward", inplace_backward),
-                        ("verify", verify), ("strict", strict)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, verify=verify, strict=strict)
     candidates = [(name, module, cands) for name, module in model.named_modules()
                   if not isinstance(module, (SwiGLUMLP, SwiGLU))
                   and (cands := hf_candidates(module, extra_children_ok=False)) is not None

@@ -40,6 +40,7 @@ from torch import nn
 
 from ._sources import SUPPORTED_DTYPES
 from ._torch_compat import global_module_hooks_active
+from ._validation import check_flags
 from .activations import GLUActivation
 from .api import glu_mul, swiglu, swiglu_unpacked
 from .module import SwiGLU, _registered
@@ -640,12 +641,6 @@ def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -
         report.partial[path] = _partial_reason(module, plan) + note
 
 
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-
-
 def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False) -> int:
     """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
     experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
@@ -677,7 +672,7 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    _check_flags(strict=strict, verify=verify, recompute_gate_up=recompute_gate_up,
+    check_flags(strict=strict, verify=verify, recompute_gate_up=recompute_gate_up,
                  inplace_backward=inplace_backward)
     report, done = PatchReport(), []
     for path, module in model.named_modules(remove_duplicate=True):
