@@ -97,6 +97,8 @@ class SwiGLUFunction(_LeanApplyFunction):
     def setup_context(ctx, inputs, output):
         x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference = inputs
         ctx.mark_non_differentiable(output[1])
+        # x12 never gets a gradient: without this, every backward would first fill an [M, 2H] zero tensor.
+        ctx.set_materialize_grads(False)
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
         if recompute_gate_up:
@@ -111,6 +113,8 @@ class SwiGLUFunction(_LeanApplyFunction):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
+        if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
+            return (None,) * 11
         if ctx.inplace_backward and ctx.backward_done:
             raise RuntimeError(
                 "swiglu_cupy: this graph was built with inplace_backward=True, whose first "

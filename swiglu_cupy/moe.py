@@ -300,12 +300,16 @@ class MoEExpertsFunction(_LeanApplyFunction):
     def setup_context(ctx, inputs, output):
         x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail = inputs
         ctx.mark_non_differentiable(output[1])
+        # x12 never gets a gradient: without this, every backward would first fill an [S, 2I] zero tensor.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, None if recompute_gate_up else output[1])
         ctx.modes = (activation, transposed, tail)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
+        if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
+            return (None,) * 11
         x, offsets, w12, b12, w3, b3, rw, x12 = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
         needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,

@@ -41,6 +41,16 @@ def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((a - e).pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-300)).item()
 
 
+def zero_filled_shapes(fn) -> list:
+    """The shapes of the tensors zero-filled (``aten::zero_``/``fill_``) while ``fn()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [tuple(e.input_shapes[0]) for e in prof.events()
+            if e.name in ("aten::zero_", "aten::fill_") and e.input_shapes and e.input_shapes[0]]
+
+
 def assert_nontrivial(grad: torch.Tensor, name: str) -> None:
     assert grad is not None, f"{name}: gradient is None"
     assert torch.isfinite(grad).all(), f"{name}: non-finite gradient"

@@ -5,6 +5,7 @@ import torch
 from swiglu_cupy import SiluMulFunction, SwiGLUFunction
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation
 from swiglu_cupy.reference import glu_ffn_reference, glu_reference, swiglu_reference
+from conftest import zero_filled_shapes
 
 D, H, O = 16, 24, 8
 
@@ -22,6 +23,16 @@ def test_apply_with_every_argument_matches_the_reference():
     assert x12.shape == (5, 2 * H)
     y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, GPT_OSS, False, False, False)
     assert torch.allclose(y, glu_ffn_reference(x, w12, None, w3, None, GPT_OSS), rtol=1e-5, atol=1e-6)
+
+
+def test_backward_builds_no_zero_gradient_for_x12():
+    """x12 is an output only so that it can be saved: autograd must not
+    materialise a zero [M, 2H] gradient for it before every backward."""
+    x, w12, w3 = (t.requires_grad_() for t in _packed())
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False)
+    filled = zero_filled_shapes(lambda: y.sum().backward())
+    assert (x.shape[0], 2 * H) not in filled, filled
+    assert x.grad.abs().sum() > 0 and w12.grad.abs().sum() > 0
 
 
 def test_silu_mul_function_takes_the_spec():

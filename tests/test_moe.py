@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import rank_launcher
 import swiglu_cupy.moe as moe
-from conftest import assert_nontrivial, rel_rms
+from conftest import assert_nontrivial, rel_rms, zero_filled_shapes
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
 from swiglu_cupy.bench.moe import saved_activation_bytes
 
@@ -168,6 +168,30 @@ def test_saves_x_sorted_and_x12_only_and_recompute_saves_x_only():
                 lambda: moe.grouped_experts(x, offsets, w12_, w3_, routing_weights=rw_, recompute_gate_up=recompute),
                 [w12_, w3_])
             assert got == S * per_row * 4 + extra, (x_grad, w_grad, recompute, got)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gradcheck_float64(bias):
+    """torch's gradcheck (undefined output gradients included) on a small
+    routed call: every input, routing weights and biases included."""
+    x, logits, ids, w12, w3, b12, b3 = make(E=3, D=4, I=3, T=5, dtype=torch.float64, bias=bias)
+    leaves = [t for t in (x, logits, w12, w3, b12, b3) if t is not None]
+
+    def f(x, logits, w12, w3, b12=None, b3=None):
+        return moe.routed_experts(x, ids, routing_weights(logits, ids), w12, w3, b12, b3)
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+def test_backward_builds_no_zero_gradient_for_x12():
+    """The op's x12 output is there to be saved: autograd must not
+    materialise a zero [S, 2I] gradient for it before every backward."""
+    inputs = make()
+    x, _, ids, w12 = inputs[:4]
+    y = run(inputs, SILU, False)
+    filled = zero_filled_shapes(lambda: y.sum().backward())
+    assert (ids.numel(), w12.shape[1]) not in filled, filled
+    assert_nontrivial(x.grad, "x")
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])
