@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from swiglu_cupy import primitives
+from swiglu_cupy.activations import GLUActivation
 from swiglu_cupy.primitives import torch_impl
 from conftest import DTYPES_ALL, elementwise_error_bounds, rel_rms
 
@@ -128,24 +129,34 @@ def test_silu_mul_errors_name_the_argument(call, error, match):
         call()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_torch_path_row_blocks_match_one_pass(dtype, monkeypatch):
-    """The buffered torch path works in blocks of rows (cache-sized); with
-    blocks of 2 rows over 7 rows (a short last block) every output, in place
-    or not, equals the one-pass result bit for bit."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_torch_path_row_blocks_match_the_functional_form(dtype, interleaved, monkeypatch):
+    """The buffered torch path (what primitives run: blocks of rows through
+    fp32 workspaces, outputs written in place) equals the functional form
+    (new tensors, what tracers see) bit for bit: with blocks of 2 rows over 7
+    rows (a short last block), in place or not, halves or interleaved."""
     torch.manual_seed(0)
     M, H = 7, 5
+    spec = GLUActivation("silu", interleaved=interleaved)
     x12 = (torch.randn(M, 2 * H, dtype=torch.float64) * 3).to(dtype)
     dh = torch.randn(M, H, dtype=torch.float64).to(dtype)
-    one_pass_h = primitives.swiglu_forward(x12)
-    one_pass_dx12, one_pass_h2 = primitives.swiglu_backward(x12, dh)
+    functional_h = torch_impl.swiglu_forward_torch(x12, None, spec)
+    functional_dx12, functional_h2 = torch_impl.swiglu_backward_torch(x12, dh, activation=spec)
+    assert torch.equal(functional_h, functional_h2)
     monkeypatch.setattr(torch_impl, "_BLOCK_ELEMENTS", 2 * H)
-    assert torch.equal(primitives.swiglu_forward(x12, out=torch.empty(M, H, dtype=dtype)), one_pass_h)
-    dx12, h = primitives.swiglu_backward(x12, dh)
-    assert torch.equal(dx12, one_pass_dx12) and torch.equal(h, one_pass_h2)
+    out = torch.full((M, H), float("nan"), dtype=dtype)
+    assert torch.equal(primitives.swiglu_forward(x12, out=out, activation=spec), functional_h)
+    dx12, h = primitives.swiglu_backward(x12, dh, activation=spec)
+    assert torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
     in_place = x12.clone()
-    gate, up = in_place.chunk(2, 1)
-    assert torch.equal(primitives.silu_mul_forward(gate, up, out=gate), one_pass_h)
-    in_place = x12.clone()
-    dx12, h = primitives.swiglu_backward(in_place, dh, dx12_out=in_place)
-    assert dx12 is in_place and torch.equal(dx12, one_pass_dx12) and torch.equal(h, one_pass_h2)
+    dx12, h = primitives.swiglu_backward(in_place, dh, dx12_out=in_place, activation=spec)
+    assert dx12 is in_place and torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
+    if not interleaved:  # separate gate/up tensors, outputs over the inputs
+        in_place = x12.clone()
+        gate, up = in_place.chunk(2, 1)
+        assert torch.equal(primitives.silu_mul_forward(gate, up, out=gate), functional_h)
+        in_place = x12.clone()
+        gate, up = in_place.chunk(2, 1)
+        dgate, dup = primitives.silu_mul_backward(gate, up, dh, dgate_out=gate, dup_out=up)
+        assert dgate is gate and dup is up and torch.equal(in_place, functional_dx12)
