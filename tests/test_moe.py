@@ -36,6 +36,16 @@ def make(E=4, D=64, I=32, T=37, K=2, dtype=torch.float32, transposed=False, bias
     return x, logits, ids, w12, w3, b12, b3
 
 
+# How the op runs the groups' GEMMs: grouped_mm, or a loop of plain GEMMs
+# (what it falls back to where grouped_mm refuses; forced here).
+SCHEDULES = ["grouped", "loop"]
+
+
+def use_schedule(monkeypatch, name):
+    if name == "loop":
+        monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+
+
 def routing_weights(logits, ids):
     return logits.gather(1, ids).softmax(-1)
 
@@ -92,7 +102,7 @@ def test_grouped_mm_and_loop_paths_agree(monkeypatch, D, I):
     y = run(inputs, GPT_OSS, True)
     dy = torch.randn_like(y)
     g = grads(inputs, y, dy)
-    monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+    use_schedule(monkeypatch, "loop")
     y_loop = run(inputs, GPT_OSS, True)
     torch.testing.assert_close(y_loop, y, rtol=1e-6, atol=1e-6)
     for a, b in zip(grads(inputs, y_loop, dy), g):
@@ -186,7 +196,7 @@ def test_gradcheck_float64(bias):
 def test_backward_builds_no_zero_gradient_for_x12():
     """The op's x12 output is there to be saved: autograd must not
     materialise a zero [S, 2I] gradient for it before every backward."""
-    inputs = make()
+    inputs = make(D=40, I=32)
     x, _, ids, w12 = inputs[:4]
     y = run(inputs, SILU, False)
     filled = zero_filled_shapes(lambda: y.sum().backward())
@@ -262,10 +272,9 @@ def _with_ids(inputs, ids):
 
 
 @pytest.mark.parametrize("case", ["empty_experts", "one_expert_takes_all", "top1", "one_expert", "zero_tokens"])
-@pytest.mark.parametrize("loop", [False, True])
-def test_routing_edge_cases(monkeypatch, case, loop):
-    if loop:
-        monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_routing_edge_cases(monkeypatch, case, schedule):
+    use_schedule(monkeypatch, schedule)
     E, K, T = {"top1": (4, 1, 37), "one_expert": (1, 1, 37), "zero_tokens": (4, 2, 0),
                "one_expert_takes_all": (6, 1, 37)}.get(case, (6, 2, 37))
     inputs = make(E=E, K=K, T=T, bias=True)
@@ -296,9 +305,11 @@ def test_routing_edge_cases(monkeypatch, case, loop):
         assert unused and all(torch.equal(got[2][e], torch.zeros_like(got[2][e])) for e in unused)
 
 
-def test_expert_parallel_sentinels_contribute_zero():
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_expert_parallel_sentinels_contribute_zero(monkeypatch, schedule):
     """Ids >= E (experts on other ranks) sort to a tail that gets no GEMM:
     zero output, zero gradient, and no router gradient there."""
+    use_schedule(monkeypatch, schedule)
     x, logits, ids, w12, w3, b12, b3 = make(E=4, bias=True)
     ids = ids.clone()
     ids[::3, 1] = 4 + torch.arange(ids[::3].shape[0]) % 3   # sentinels 4, 5, 6
@@ -315,6 +326,35 @@ def test_expert_parallel_sentinels_contribute_zero():
     for name, a, b in zip(("x", "rw", "w12", "w3", "b12", "b3"), g, torch.autograd.grad(y_ref, d, dy.double())):
         assert_nontrivial(a, name)
         assert rel_rms(a, b) <= TOL[torch.float32], name
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_sentinel_tail_rows_are_zero_whatever_they_hold(monkeypatch, schedule):
+    """The op on rows with a sentinel tail (past offsets[-1]) holding NaN:
+    the tail's output, input gradient and routing-weight gradient are exactly
+    zero, and nothing of it reaches the other rows or the weight gradients."""
+    use_schedule(monkeypatch, schedule)
+    E, D, I, S, tail = 3, 64, 32, 40, 7
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(S, D, generator=gen)
+    x[S - tail:] = float("nan")
+    x.requires_grad_()
+    rw = torch.rand(S, generator=gen).requires_grad_()
+    w12 = (torch.randn(E, 2 * I, D, generator=gen) / 8).requires_grad_()
+    w3 = (torch.randn(E, D, I, generator=gen) / 8).requires_grad_()
+    b3 = torch.randn(E, D, generator=gen).requires_grad_()
+    offsets = torch.tensor([10, 10, S - tail], dtype=torch.int32)
+    y = moe.run_experts(x, offsets, w12, None, w3, b3, rw, SILU, False, False, True)
+    dy = torch.randn(S, D, generator=gen)
+    dx, drw, dw12, dw3, db3 = torch.autograd.grad(y, (x, rw, w12, w3, b3), dy)
+    assert torch.equal(y[S - tail:], torch.zeros(tail, D)) and torch.equal(dx[S - tail:], torch.zeros(tail, D))
+    assert torch.equal(drw[S - tail:], torch.zeros(tail))
+    assert torch.equal(dw12[1], torch.zeros_like(dw12[1])) and torch.equal(db3[1], torch.zeros(D))  # empty expert
+    for t in (y, dx, drw, dw12, dw3, db3):
+        assert torch.isfinite(t).all()
+    kept = slice(0, S - tail)
+    y_ref = moe.grouped_experts(x[kept].detach(), offsets, w12, w3, None, b3, routing_weights=rw[kept].detach())
+    torch.testing.assert_close(y[kept], y_ref, rtol=1e-6, atol=1e-6)
 
 
 # ---- errors --------------------------------------------------------------------------------
