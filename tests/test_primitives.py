@@ -132,10 +132,11 @@ def test_silu_mul_errors_name_the_argument(call, error, match):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_torch_path_row_blocks_match_the_functional_form(dtype, interleaved, monkeypatch):
-    """The buffered torch path (what primitives run: blocks of rows through
-    fp32 workspaces, outputs written in place) equals the functional form
-    (new tensors, what tracers see) bit for bit: with blocks of 2 rows over 7
-    rows (a short last block), in place or not, halves or interleaved."""
+    """The buffered torch path (what primitives run: outputs written in
+    place; one block, or blocks of rows through fp32 workspaces) equals the
+    functional form (new tensors, what tracers see) bit for bit: as one block
+    and in blocks of 2 rows over 7 rows (a short last block), in place or
+    not, halves or interleaved."""
     torch.manual_seed(0)
     M, H = 7, 5
     spec = GLUActivation("silu", interleaved=interleaved)
@@ -144,19 +145,20 @@ def test_torch_path_row_blocks_match_the_functional_form(dtype, interleaved, mon
     functional_h = torch_impl.swiglu_forward_torch(x12, None, spec)
     functional_dx12, functional_h2 = torch_impl.swiglu_backward_torch(x12, dh, activation=spec)
     assert torch.equal(functional_h, functional_h2)
-    monkeypatch.setattr(torch_impl, "_BLOCK_ELEMENTS", 2 * H)
-    out = torch.full((M, H), float("nan"), dtype=dtype)
-    assert torch.equal(primitives.swiglu_forward(x12, out=out, activation=spec), functional_h)
-    dx12, h = primitives.swiglu_backward(x12, dh, activation=spec)
-    assert torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
-    in_place = x12.clone()
-    dx12, h = primitives.swiglu_backward(in_place, dh, dx12_out=in_place, activation=spec)
-    assert dx12 is in_place and torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
-    if not interleaved:  # separate gate/up tensors, outputs over the inputs
+    for block_elements in (torch_impl._BLOCK_ELEMENTS, 2 * H):
+        monkeypatch.setattr(torch_impl, "_BLOCK_ELEMENTS", block_elements)
+        out = torch.full((M, H), float("nan"), dtype=dtype)
+        assert torch.equal(primitives.swiglu_forward(x12, out=out, activation=spec), functional_h)
+        dx12, h = primitives.swiglu_backward(x12, dh, activation=spec)
+        assert torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
         in_place = x12.clone()
-        gate, up = in_place.chunk(2, 1)
-        assert torch.equal(primitives.silu_mul_forward(gate, up, out=gate), functional_h)
-        in_place = x12.clone()
-        gate, up = in_place.chunk(2, 1)
-        dgate, dup = primitives.silu_mul_backward(gate, up, dh, dgate_out=gate, dup_out=up)
-        assert dgate is gate and dup is up and torch.equal(in_place, functional_dx12)
+        dx12, h = primitives.swiglu_backward(in_place, dh, dx12_out=in_place, activation=spec)
+        assert dx12 is in_place and torch.equal(dx12, functional_dx12) and torch.equal(h, functional_h)
+        if not interleaved:  # separate gate/up tensors, outputs over the inputs
+            in_place = x12.clone()
+            gate, up = in_place.chunk(2, 1)
+            assert torch.equal(primitives.silu_mul_forward(gate, up, out=gate), functional_h)
+            in_place = x12.clone()
+            gate, up = in_place.chunk(2, 1)
+            dgate, dup = primitives.silu_mul_backward(gate, up, dh, dgate_out=gate, dup_out=up)
+            assert dgate is gate and dup is up and torch.equal(in_place, functional_dx12)
