@@ -50,6 +50,10 @@ def _store(value: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) ->
     return _round(value, dtype) if out is None else out.copy_(value)
 
 
+def _is_same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
+
+
 def _block_rows(rows: int, cols: int) -> int:
     """Rows per ``_BLOCK_ELEMENTS``-sized block."""
     return max(1, _BLOCK_ELEMENTS // max(cols, 1))
@@ -91,8 +95,11 @@ def _widened_pair(gate, up, x12, activation: GLUActivation, ws: _Workspace | Non
 
 def _forward_block(gate, up, out, x12, activation: GLUActivation, ws: _Workspace | None) -> None:
     if gate.dtype in _FULL_PRECISION:
-        silu = F.silu(gate) if ws is None else _silu_into(gate, out=ws.get("silu", gate.shape[0], gate.shape[1]))
-        torch.mul(silu, up, out=out)  # out may be gate itself: silu is a buffer of its own
+        if _is_same_memory(out, gate):  # h overwrites gate anyway: silu in place, nothing allocated
+            silu = F.silu(gate, inplace=True)
+        else:
+            silu = F.silu(gate) if ws is None else _silu_into(gate, out=ws.get("silu", gate.shape[0], gate.shape[1]))
+        torch.mul(silu, up, out=out)
         return
     g, u = _split(_widened_pair(gate, up, x12, activation, ws), activation)
     torch.mul(F.silu(g, inplace=True), u, out=out)  # the fp32 product, rounded once on the store
