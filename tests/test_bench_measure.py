@@ -92,6 +92,22 @@ def test_interleaved_rotates_the_order_and_times_each_block_per_call():
     assert median_ratio(timings, "slow", "absent") is None
 
 
+def test_interleaved_takes_a_timer_and_hands_back_the_samples():
+    """time.thread_time counts the calling thread's CPU time: a sleep costs
+    none of it, a busy loop does; ``samples`` gets each round's time."""
+    def busy():
+        end = time.thread_time() + 0.003
+        while time.thread_time() < end:
+            pass
+
+    samples = {}
+    timings = interleaved({"sleep": lambda: time.sleep(0.01), "busy": busy}, Clock(CPU), rounds=3, calls=1,
+                          unit="ms", timer=time.thread_time, samples=samples)
+    assert list(samples) == ["sleep", "busy"] and all(len(v) == 3 for v in samples.values())
+    assert max(samples["sleep"]) < 3.0 <= min(samples["busy"])
+    assert timings["busy"]["median"] == stats(samples["busy"])["median"]
+
+
 def test_elementwise_bytes_formula():
     # forward: read gate and up (2H), write h (H); backward: read x12 (2H) and dh (H), write dx12 (2H) and h (H).
     assert elementwise_bytes(M=8192, H=11008, element_size=2) == (8192 * 11008 * 2 * 3, 8192 * 11008 * 2 * 6)

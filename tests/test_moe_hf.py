@@ -374,3 +374,26 @@ def test_patch_model_and_patch_switch_the_experts_too():
         assert all(hx.experts_plan(m).activation is not None for m in model.modules() if hx.is_hf_experts(m))
         with torch.no_grad():
             assert _rel(model(ids).logits, expected) <= LOGITS_RTOL
+
+
+# ---- the bench's experts timing ------------------------------------------------------------
+
+def test_bench_time_case_and_its_report_lines():
+    """``bench --moe``'s timing on a small shape: both implementations timed
+    in every round, the ratio of the medians, the per-round ratios' spread,
+    and the report line that prints them."""
+    from swiglu_cupy.bench.measure import Clock
+    from swiglu_cupy.bench.moe import format_moe, round_ratios, time_case
+
+    shape = {"E": 4, "K": 2, "D": 32, "I": 16, "T": 24}
+    case = time_case("fp32", Clock(torch.device("cpu")), rounds=3, warmup=1, shape=shape)
+    ms = case["ms"]
+    assert ms["swiglu_cupy"]["n"] == ms["grouped_mm"]["n"] == 3 and case["clock"] == "thread_time"
+    assert case["ratio"] == pytest.approx(ms["swiglu_cupy"]["median"] / ms["grouped_mm"]["median"])
+    assert case["round_ratio"]["n"] == 3 and case["round_ratio"]["min"] > 0
+    assert round_ratios({"a": [2.0, 3.0], "b": [1.0, 2.0]}, "a", "b")["median"] == pytest.approx(1.75)
+    report = {"time_shape": shape, "environment": {"device": "cpu"}, "threads": 1, "rounds": 3,
+              "time": [case], "memory": {}}
+    text = format_moe(report)
+    assert f"ratio {case['ratio']:.3f} (goal <= 1.0); per-round ratios p10-p90 " \
+           f"{case['round_ratio']['p10']:.3f}-{case['round_ratio']['p90']:.3f}" in text

@@ -29,23 +29,28 @@ def stats(samples_ms: list[float]) -> dict:
 _UNITS = {"ms": 1e3, "us": 1e6}
 
 
-def interleaved(fns: dict, clock: "Clock", rounds: int, calls: int, unit: str = "ms") -> dict:
+def interleaved(fns: dict, clock: "Clock", rounds: int, calls: int, unit: str = "ms",
+                timer=time.perf_counter, samples: dict | None = None) -> dict:
     """Time per call of each callable in ``fns`` (stats in ``unit``) over
     ``rounds`` rounds. A round times one synchronized block of ``calls`` calls
     of every callable, in an order rotated per round, so a drift in machine
-    load hits every callable alike and the medians can be compared."""
+    load hits every callable alike and the medians can be compared.
+    ``timer``: the clock read around each block (``time.thread_time`` counts
+    the calling thread's CPU time only); ``samples``: a dict that receives
+    each callable's per-round times, in round order."""
     names = list(fns)
-    samples: dict = {name: [] for name in names}
+    samples = {} if samples is None else samples
+    samples.update({name: [] for name in names})
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
             fn = fns[name]
             clock.sync()
-            start = time.perf_counter()
+            start = timer()
             for _ in range(calls):
                 fn()
             clock.sync()
-            samples[name].append((time.perf_counter() - start) / calls * _UNITS[unit])
+            samples[name].append((timer() - start) / calls * _UNITS[unit])
     return {name: stats(values) for name, values in samples.items()}
 
 

@@ -5,7 +5,8 @@ function on the same module, weights and routing:
 
 - **time**: experts forward+backward (router gradient included) at E=8,
   top-2, D=256, I=512, 1024 tokens, fp32 and bf16, interleaved rounds, the
-  ratio of the medians (ours / grouped_mm). On the CPU: one intra-op thread
+  ratio of the medians (ours / grouped_mm), and the spread (p10-p90) of the
+  per-round ratios as the noise band. On the CPU: one intra-op thread
   (as the main bench) and the calling thread's CPU time
   (``time.thread_time``; CPU autograd runs there too), which other processes
   on a shared machine disturb far less than wall time. On CUDA: wall time of
@@ -169,23 +170,19 @@ def time_case(dtype_name: str, clock: Clock, rounds: int, warmup: int, shape=TIM
     for fn in fns.values():
         for _ in range(max(warmup, 1)):
             fn()
-    timings = interleaved(fns, clock, rounds, calls=1, unit="ms") if clock.cuda else thread_time_rounds(fns, rounds)
+    samples: dict = {}
+    timings = interleaved(fns, clock, rounds, calls=1, unit="ms", samples=samples,
+                          timer=time.perf_counter if clock.cuda else time.thread_time)
     return {"dtype": dtype_name, "ms": timings, "ratio": median_ratio(timings, "swiglu_cupy", "grouped_mm"),
+            "round_ratio": round_ratios(samples, "swiglu_cupy", "grouped_mm"),
             "goal": TIME_GOAL, "clock": "wall" if clock.cuda else "thread_time"}
 
 
-def thread_time_rounds(fns: dict, rounds: int) -> dict:
-    """``interleaved`` (one call per round, the order rotated per round) timed
-    by the calling thread's CPU time, in ms."""
-    names = list(fns)
-    samples: dict = {name: [] for name in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            start = time.thread_time()
-            fns[name]()
-            samples[name].append((time.thread_time() - start) * 1e3)
-    return {name: stats(values) for name, values in samples.items()}
+def round_ratios(samples: dict, name: str, reference: str) -> dict:
+    """Stats of the per-round ratios name / reference: the two ran back to
+    back in each round, so their spread shows how far machine noise moves
+    the ratio."""
+    return stats([a / b for a, b in zip(samples[name], samples[reference])])
 
 
 def format_moe(report: dict) -> str:
@@ -199,9 +196,10 @@ def format_moe(report: dict) -> str:
         if "error" in case:
             lines.append(f"  {case['dtype']}: {case['error']}")
             continue
-        ms = case["ms"]
+        ms, spread = case["ms"], case["round_ratio"]
         lines.append(f"  {case['dtype']}: ours {ms['swiglu_cupy']['median']:.2f} ms, grouped_mm "
-                     f"{ms['grouped_mm']['median']:.2f} ms, ratio {case['ratio']:.3f} (goal <= {case['goal']})")
+                     f"{ms['grouped_mm']['median']:.2f} ms, ratio {case['ratio']:.3f} (goal <= {case['goal']}); "
+                     f"per-round ratios p10-p90 {spread['p10']:.3f}-{spread['p90']:.3f}")
     lines.append("bytes saved for backward inside the experts module (tiny configs, 64 tokens), ours / grouped_mm "
                  f"(goal <= {MEMORY_GOAL}):")
     for family, m in report["memory"].items():
@@ -225,7 +223,7 @@ def run(args) -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # as the main bench: steadier CPU timings
     clock = Clock(device)
-    rounds = args.repeats or (15 if device.type == "cpu" else 20)
+    rounds = args.repeats or (31 if device.type == "cpu" else 20)
     warmup = args.warmup if args.warmup is not None else 2
     dtypes = args.dtype or list(TIME_DTYPES)
     start = time.perf_counter()
