@@ -14,6 +14,7 @@ tensor from functional ops only, which tracers and decompositions require.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,6 +34,11 @@ _BLOCK_ELEMENTS = 1 << 17
 
 _silu_into = torch.ops.aten.silu.out
 _silu_backward_into = torch.ops.aten.silu_backward.grad_input
+
+
+def _is_plain_silu(spec: GLUActivation) -> bool:
+    """silu without a clamp: the tuned path; the rest of the family takes the generic one."""
+    return spec.kind == "silu" and spec.limit is None
 
 
 def _widen(t: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,23 @@ def _widened_pair(gate, up, x12, activation: GLUActivation, ws: _Workspace | Non
     return pair
 
 
-def _forward_block(gate, up, out, x12, activation: GLUActivation, ws: _Workspace | None) -> None:
+def _in_row_blocks(block_fn, like: torch.Tensor, *tensors: torch.Tensor | None) -> None:
+    """``block_fn(ws, *blocks)`` on each ``_BLOCK_ELEMENTS``-sized block of
+    rows of the 2-D ``tensors`` (all with ``like``'s rows; None stays None),
+    with one workspace for all blocks; one block covering every row gets the
+    whole tensors and no workspace."""
+    rows, cols = like.shape
+    step = _block_rows(rows, cols)
+    if rows <= step:
+        block_fn(None, *tensors)
+        return
+    ws = _Workspace(like, step)
+    for start in range(0, rows, step):
+        r = slice(start, start + step)
+        block_fn(ws, *(None if t is None else t[r] for t in tensors))
+
+
+def _forward_block(activation: GLUActivation, ws: _Workspace | None, gate, up, out, x12) -> None:
     if gate.dtype in _FULL_PRECISION:
         if _is_same_memory(out, gate):  # h overwrites gate anyway: silu in place, nothing allocated
             silu = F.silu(gate, inplace=True)
@@ -108,21 +130,13 @@ def _forward_block(gate, up, out, x12, activation: GLUActivation, ws: _Workspace
 def _forward_into(gate, up, out, x12=None, activation: GLUActivation = SILU) -> torch.Tensor:
     """h into ``out`` (which may be gate itself), block by block; ``x12``:
     the packed tensor gate and up come from, if any."""
-    rows, cols = gate.shape
-    step = _block_rows(rows, cols)
-    if rows <= step:
-        _forward_block(gate, up, out, x12, activation, None)
-        return out
-    ws = _Workspace(gate, step)
-    for start in range(0, rows, step):
-        r = slice(start, start + step)
-        _forward_block(gate[r], up[r], out[r], None if x12 is None else x12[r], activation, ws)
+    _in_row_blocks(functools.partial(_forward_block, activation), gate, gate, up, out, x12)
     return out
 
 
 def silu_mul_forward_torch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None,
                            activation: GLUActivation = SILU) -> torch.Tensor:
-    if activation.kind != "silu" or activation.limit is not None:
+    if not _is_plain_silu(activation):
         return _glu_forward_math(gate, up, out, activation)
     if out is None:
         return _forward_functional(gate, up)
@@ -143,8 +157,8 @@ def _backward_functional(gate, up, dh, want_h: bool):
     return (_round(torch.ops.aten.silu_backward(d * u, g), dtype), _round(d * silu, dtype), h)
 
 
-def _backward_block(gate, up, dh, dgate_out, dup_out, h_out, x12, dx12_out, activation: GLUActivation,
-                    ws: _Workspace | None) -> None:
+def _backward_block(activation: GLUActivation, ws: _Workspace | None, gate, up, dh, dgate_out, dup_out, h_out,
+                    x12, dx12_out) -> None:
     n, cols = gate.shape
     wide = gate.dtype not in _FULL_PRECISION
     pair = None
@@ -175,23 +189,14 @@ def _backward_into(gate, up, dh, dgate_out, dup_out, h_out, x12=None, dx12_out=N
     block. dgate_out may be gate and dup_out may be up: each block reads its
     inputs before it writes over them. ``x12``/``dx12_out``: the packed
     tensors the halves belong to, if any."""
-    rows, cols = gate.shape
-    step = _block_rows(rows, cols)
-    if rows <= step:
-        _backward_block(gate, up, dh, dgate_out, dup_out, h_out, x12, dx12_out, activation, None)
-        return
-    ws = _Workspace(gate, step)
-    opt = lambda t, r: None if t is None else t[r]  # noqa: E731
-    for start in range(0, rows, step):
-        r = slice(start, start + step)
-        _backward_block(gate[r], up[r], dh[r], dgate_out[r], dup_out[r], opt(h_out, r), opt(x12, r),
-                        opt(dx12_out, r), activation, ws)
+    _in_row_blocks(functools.partial(_backward_block, activation), gate, gate, up, dh, dgate_out, dup_out, h_out,
+                   x12, dx12_out)
 
 
 def silu_mul_backward_torch(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
                             dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None,
                             activation: GLUActivation = SILU):
-    if activation.kind != "silu" or activation.limit is not None:
+    if not _is_plain_silu(activation):
         return _glu_backward_math(gate, up, dh, dgate_out, dup_out, None, False, activation)[:2]
     if dgate_out is None:  # the buffers come both or neither (primitives.run_* gives both)
         return _backward_functional(gate, up, dh, want_h=False)[:2]
@@ -283,7 +288,7 @@ def _join(dgate: torch.Tensor, dup: torch.Tensor, activation: GLUActivation) -> 
 
 def swiglu_forward_torch(x12: torch.Tensor, out: torch.Tensor | None = None,
                          activation: GLUActivation = SILU) -> torch.Tensor:
-    if out is None or activation.kind != "silu" or activation.limit is not None:
+    if out is None or not _is_plain_silu(activation):
         return silu_mul_forward_torch(*_split(x12, activation), out, activation)
     return _forward_into(*_split(x12, activation), out, x12, activation)
 
@@ -293,7 +298,7 @@ def swiglu_backward_torch(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.T
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h). Buffered (``dx12_out`` and ``h_out`` given) or functional
     (neither: new tensors, the form tracers see)."""
-    generic = activation.kind != "silu" or activation.limit is not None
+    generic = not _is_plain_silu(activation)
     gate, up = _split(x12, activation)
     if dx12_out is None:
         if generic:
