@@ -53,11 +53,6 @@ class GLUActivation:
         if type(self.interleaved) is not bool:
             raise TypeError(f"activation interleaved must be a bool, got {type(self.interleaved).__name__}")
 
-    @property
-    def is_silu(self) -> bool:
-        """Today's SwiGLU: plain silu on the halves layout."""
-        return self == SILU
-
     def __str__(self) -> str:
         if self == SILU:
             return "silu"

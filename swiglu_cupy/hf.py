@@ -61,21 +61,19 @@ from ._sources import SUPPORTED_DTYPES
 from ._validation import check_flags
 from .activations import SILU
 from .module import SwiGLU
-from .patching import (KNOWN_ACTIVATIONS, FusedGLUMLP, GLUPlan, _rows_match, choose_plan, fused_class,
+from .patching import (_ACT_NAMES, KNOWN_ACTIVATIONS, FusedGLUMLP, GLUPlan, _rows_match, choose_plan, fused_class,
                        hf_candidates, install, run_plan)
 from .hf_experts import patch_experts  # registers "swiglu_cupy" with transformers' ExpertsInterface
 from .reference import glu_reference
 
 __all__ = ["SwiGLUMLP", "patch_model", "apply_to", "unapply", "patch_mapping", "is_swiglu_mlp", "ACTIVATIONS"]
 
-_ACT_NAMES = ("act_fn", "activation_fn", "act")
 _HF = ("gate_proj", "up_proj", "down_proj")
 
 #: The fused mixin of a patched MLP (the same class serves every family).
 SwiGLUMLP = FusedGLUMLP
 #: The activations recognised by value (name -> GLUActivation).
 ACTIVATIONS = KNOWN_ACTIVATIONS
-_fused_class = fused_class
 
 
 def is_swiglu_mlp(module: nn.Module) -> bool:
@@ -275,7 +273,7 @@ def apply_to(target) -> list[type]:
     original forward)."""
     installed = []
     for module, attr, base in _mlp_classes(target):
-        fused = _fused_class(base)
+        fused = fused_class(base)
         setattr(module, attr, fused)
         installed.append(fused)
     return installed
@@ -295,4 +293,4 @@ def patch_mapping(target) -> dict[str, type]:
         from transformers.monkey_patching import register_patch_mapping
         register_patch_mapping(patch_mapping("llama"))
     """
-    return {base.__name__: _fused_class(base) for _, _, base in _mlp_classes(target)}
+    return {base.__name__: fused_class(base) for _, _, base in _mlp_classes(target)}

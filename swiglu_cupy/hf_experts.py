@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._validation import check_flags
 from .activations import GPT_OSS, GLUActivation
 from .moe import check_expert_ids, route_and_combine
 from .patching import identify_activation
@@ -261,8 +262,7 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False) -> int:
     torch.compile."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(recompute_gate_up, bool):
-        raise TypeError(f"recompute_gate_up must be a bool, got {type(recompute_gate_up).__name__}")
+    check_flags(recompute_gate_up=recompute_gate_up)
     if not register():
         return 0
     fused = 0

@@ -29,9 +29,11 @@ approximated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +83,11 @@ class GLUPlan:
     mid: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
 
+    @functools.cached_property
+    def packed_activation(self) -> GLUActivation:
+        """The spec for the packed weight's layout, built once (the fused forward runs per token)."""
+        return dataclasses.replace(self.activation, interleaved=True) if self.order == "interleaved" else self.activation
+
     def describe(self) -> str:
         if self.packed is not None:
             layout = f"{self.packed} ({self.order.replace('_', ' ')})"
@@ -118,10 +125,8 @@ def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward
         (wg, bg), (wu, bu) = _params(mods[plan.gate]), _params(mods[plan.up])
         return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation, **modes)
     w, b = _params(mods[plan.packed])
-    if plan.order == "gate_first":
-        return swiglu(x, w, b, wd, bd, activation=plan.activation, **modes)
-    if plan.order == "interleaved":
-        return swiglu(x, w, b, wd, bd, activation=dataclasses.replace(plan.activation, interleaved=True), **modes)
+    if plan.order in ("gate_first", "interleaved"):
+        return swiglu(x, w, b, wd, bd, activation=plan.packed_activation, **modes)
     h = w.shape[0] // 2  # gate last: the row halves as views, up first in storage
     return swiglu_unpacked(x, w[h:], None if b is None else b[h:], w[:h], None if b is None else b[:h],
                            wd, bd, activation=plan.activation, **modes)
@@ -514,8 +519,8 @@ class _Probe:
         finally:
             self.module.train(training_was)
 
-    def matches(self, fn, expected=None) -> bool:
-        expected = self.expected if expected is None else expected
+    def matches(self, fn) -> bool:
+        expected = self.expected
         if expected is None:
             return False
         actual = self.run(fn)
@@ -644,7 +649,9 @@ def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -
 def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False) -> int:
     """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
     experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
-    from . import hf_experts  # imports transformers only when a model could hold its experts
+    if "transformers.integrations.moe" not in sys.modules:
+        return 0  # no experts class was ever defined in this process: none can be in the model
+    from . import hf_experts
 
     return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up)
 

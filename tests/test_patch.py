@@ -393,3 +393,16 @@ def test_hidden_clamp_is_caught():
 
     report = sc.patch(nn.Sequential(HiddenClamp(D, 24)))
     assert set(report.skipped) == {"0"} and "probe mismatch" in report.skipped["0"]
+
+
+def test_patch_of_a_model_without_experts_does_not_import_transformers():
+    """No experts class can be in a model when transformers' MoE module was
+    never imported: patch() then skips the experts search (and its ~2 s import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch.nn as nn, swiglu_cupy\n"
+            "report = swiglu_cupy.patch(nn.Sequential(nn.Linear(8, 8)))\n"
+            "print('transformers' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
