@@ -5,28 +5,56 @@ loudly on any such change. (DTensor/DCP internals: ``_distributed_compat``.)
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+
+def _private(owner, name: str, fallback, consequence: str):
+    """``owner.name``, or (torch moved it) ``fallback`` with one warning
+    saying what is lost: ``import swiglu_cupy`` never fails on such a move."""
+    found = getattr(owner, name, None)
+    if found is not None:
+        return found
+    warnings.warn(f"swiglu_cupy: {owner.__name__}.{name} is gone in torch {torch.__version__}; "
+                  f"{consequence}", RuntimeWarning, stacklevel=3)
+    return fallback
+
 
 # True for a tensor wrapped by a torch.func transform level (vmap/grad).
 # If it goes: transformed calls would take the out=-buffer eager path and
 # fail under vmap ("out= cannot hold a batch"); the lean apply below would
 # skip torch's unwrapping of tensors left over from a transform.
-is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+is_functorch_wrapped = _private(torch._C._functorch, "is_functorch_wrapped_tensor", lambda t: False,
+                                "torch.func transforms of the fused op may fail")
 
 # True while any torch.func transform is active (inside vmap/grad/jacrev).
 # If it goes: the no-grad eager shortcut could run inside a transform.
-functorch_transforms_active = torch._C._are_functorch_transforms_active
+functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_active", lambda: False,
+                                       "torch.func transforms of the fused op may fail under no_grad")
 
 # torch.autograd.Function.apply is Python code that binds default arguments
 # with inspect.signature (~15 us a call) and then calls this C++ apply; the
 # lean apply calls it directly. If torch moves the C++ base class, the lean
-# apply must fall back to Function.apply (a speed loss, not a wrong result).
-_CPP_APPLY = torch._C._FunctionBase.__dict__["apply"]  # a classmethod descriptor
+# apply falls back to Function.apply (a speed loss, not a wrong result).
+_cpp_apply = getattr(_private(torch._C, "_FunctionBase", None, "the Functions take "
+                              "torch.autograd.Function.apply (correct, ~15 us slower per call)"),
+                     "__dict__", {}).get("apply")
 
 
-def cpp_function_apply(cls, *args):
+def _call_cpp_apply(cls, *args):
     """``cls.apply(*args)`` without the Python-level argument binding."""
-    return _CPP_APPLY.__get__(None, cls)(*args)
+    return _cpp_apply.__get__(None, cls)(*args)
+
+
+#: None where this torch has no C++ apply to call (see above).
+cpp_function_apply = None if _cpp_apply is None else _call_cpp_apply
+
+
+def is_transformed(t: torch.Tensor) -> bool:
+    """True if ``t`` is wrapped by a torch.func transform (vmap/grad level).
+    Tracers see through such wrappers (and cannot call this check)."""
+    return not torch.compiler.is_compiling() and is_functorch_wrapped(t)
 
 
 # torch.onnx.export(exported_program) decomposes the ops found in torch's

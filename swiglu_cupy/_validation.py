@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from ._sources import SUPPORTED_DTYPES
+from ._dtypes import SUPPORTED_DTYPES
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -176,3 +176,111 @@ def common_packed_case(x, w12, b12, w3, b3) -> bool:
                 and (b12 is None or b12.shape == (rows,)) and (b3 is None or b3.shape == (O,)))
     except (ValueError, IndexError):  # a rank other than 2, or a 0-d x
         return False
+
+
+# ---- mixture of experts ------------------------------------------------------------------
+
+_MOE_ROLES = {"x_sorted": Role.INPUT, "hidden_states": Role.INPUT, "w12": Role.WEIGHT, "b12": Role.WEIGHT,
+          "w3": Role.WEIGHT, "b3": Role.WEIGHT}
+
+
+def check_expert_weights(x_name: str, x: torch.Tensor, w12, w3, b12, b3, transposed: bool) -> tuple[int, int]:
+    """Checks of x and the expert weights (dtype, device, shapes); returns (E, I)."""
+    check_inputs({x_name: x, "w12": w12, "w3": w3, "b12": b12, "b3": b3}, _MOE_ROLES, optional=("b12", "b3"))
+    check_flags(transposed=transposed)
+    D = x.shape[-1] if x.dim() else None
+    layout = "[E, D, 2I]" if transposed else "[E, 2I, D]"
+    if w12.dim() != 3:
+        raise ValueError(f"w12 must be 3-D {layout}, got shape {tuple(w12.shape)}")
+    E = w12.shape[0]
+    two_i, d12 = (w12.shape[2], w12.shape[1]) if transposed else (w12.shape[1], w12.shape[2])
+    if E < 1 or two_i < 2 or two_i % 2 or d12 != D:
+        raise ValueError(f"w12 must be {layout} with E >= 1, an even 2I >= 2 and D = {x_name}.shape[-1] = {D}, "
+                         f"got shape {tuple(w12.shape)}")
+    I = two_i // 2
+    down = (E, I, D) if transposed else (E, D, I)
+    if tuple(w3.shape) != down:
+        raise ValueError(f"w3 must have shape {down} = {'[E, I, D]' if transposed else '[E, D, I]'} "
+                         f"(E = {E}, I = {I}, D = {D}), got {tuple(w3.shape)}")
+    for name, b, shape in (("b12", b12, (E, 2 * I)), ("b3", b3, (E, D))):
+        if b is not None and tuple(b.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
+    return E, I
+
+
+def check_routing_weights(name: str, rw, shape: tuple, x: torch.Tensor) -> None:
+    if rw is None:
+        return
+    check_tensor(name, rw, Role.INPUT)
+    if tuple(rw.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(rw.shape)}")
+    if rw.device != x.device:
+        raise ValueError(f"{name} must be on the device of the inputs ({x.device}), got {rw.device}")
+
+
+def check_offsets(offsets, E: int, S: int, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"offsets must be int32 (the cumulative group ends grouped_mm takes), got "
+                        f"{offsets.dtype}; convert with offsets.to(torch.int32)")
+    if tuple(offsets.shape) != (E,):
+        raise ValueError(f"offsets must have shape ({E},) = (E,), one end per expert, got {tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"offsets must be on the device of x_sorted ({device}), got {offsets.device}")
+    if torch.compiler.is_compiling():
+        return  # traced data: the values cannot be read here
+    ends = offsets.tolist()  # one device-to-host copy, here only (the op itself does not check)
+    if any(b < a for a, b in zip([0, *ends], ends)):
+        raise ValueError(f"offsets must be non-decreasing cumulative ends starting at >= 0, got {ends[:16]}")
+    if ends[-1] != S:
+        raise ValueError(f"offsets must end at x_sorted.shape[0] = {S} (every row belongs to an expert), "
+                         f"got offsets[-1] = {ends[-1]}")
+
+
+def check_expert_ids(name: str, ids: torch.Tensor, E: int, allow_sentinels: bool = False) -> None:
+    """Integer ids in [0, E) (ids >= E allowed as sentinels); one host copy of min/max."""
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of expert ids, got {ids.dtype}")
+    if ids.numel() == 0 or torch.compiler.is_compiling():
+        return  # nothing to check, or traced data whose values cannot be read here
+    lo, hi = torch.aminmax(ids)
+    lo, hi = int(lo), int(hi)
+    if lo < 0 or (hi >= E and not allow_sentinels):
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds expert id {bad}, outside [0, {E}) (E = w12.shape[0] experts)")
+
+
+# ---- the primitives' tensors ---------------------------------------------------------------
+
+def check_x12(x12: torch.Tensor) -> int:
+    if not isinstance(x12, torch.Tensor):
+        raise TypeError(f"x12 must be a torch.Tensor, got {type(x12).__name__}")
+    if x12.dim() != 2:
+        raise ValueError(f"x12 must be 2-D [M, 2H], got shape {tuple(x12.shape)}")
+    if x12.shape[1] % 2:
+        raise ValueError(f"x12 must have an even number of columns [M, 2H], got {x12.shape[1]}")
+    if x12.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x12 dtype must be one of {SUPPORTED_DTYPES}, got {x12.dtype}")
+    return x12.shape[1] // 2
+
+
+def check_gate(gate: torch.Tensor) -> None:
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"gate must be a torch.Tensor, got {type(gate).__name__}")
+    if gate.dim() != 2:
+        raise ValueError(f"gate must be 2-D [M, H], got shape {tuple(gate.shape)}")
+    if gate.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"gate dtype must be one of {SUPPORTED_DTYPES}, got {gate.dtype}")
+
+
+def check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.Tensor,
+                ref_name: str = "x12") -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.shape != shape:  # torch.Size compares with a tuple
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name} dtype must match {ref_name} ({ref.dtype}), got {t.dtype}")
+    if t.device != ref.device:
+        raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")

@@ -7,13 +7,13 @@ import argparse
 import sys
 import time
 
-from ._sources import DEFAULT_ARCHS
+from .kernels.sources import DEFAULT_ARCHS
 from .activations import KINDS
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from ._sources import VARIANTS
-    from .compile_check import CompileError, compile_matrix, format_table
+    from .kernels.sources import VARIANTS
+    from .kernels.compile_check import CompileError, compile_matrix, format_table
 
     start = time.perf_counter()
     variants = tuple(v for v in VARIANTS if args.kind is None or v.kind in args.kind)
@@ -35,20 +35,20 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .info import collect, format_info
+    from .tools.info import collect, format_info
 
     print(format_info(collect()))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .tools.bench import run
 
     return run(args)
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
-    from .selftest import run
+    from .tools.selftest import run
 
     return run(args.out)
 
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "and which path CUDA tensors take")
     info.set_defaults(func=_cmd_info)
 
-    from . import bench
+    from .tools import bench
     ben = sub.add_parser("bench", help="time and measure SwiGLU contenders (eager, packed, torch.compile, "
                                        "Liger, swiglu-cupy) against the GEMMs alone; writes bench.json/png")
     bench.add_arguments(ben)

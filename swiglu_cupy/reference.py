@@ -1,11 +1,15 @@
 """Slow eager references: the formulas in plain torch ops, for tests and
-for users checking the fused op (layouts as in ``functions.py``)."""
+for users checking the fused ops (dense layouts as in ``dense/functions.py``,
+MoE layouts as in ``moe/grouped.py``)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["swiglu_reference", "silu_mul_reference", "glu_reference", "glu_ffn_reference", "split_gate_up"]
+from .activations import resolve_activation
+
+__all__ = ["swiglu_reference", "silu_mul_reference", "glu_reference", "glu_ffn_reference", "split_gate_up",
+           "experts_reference"]
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -22,8 +26,6 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def split_gate_up(x12: torch.Tensor, activation) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up) views of a packed ``[..., 2H]`` tensor in the spec's layout."""
-    from .activations import resolve_activation
-
     if resolve_activation(activation).interleaved:
         return x12[..., 0::2], x12[..., 1::2]
     return x12.chunk(2, dim=-1)
@@ -33,8 +35,6 @@ def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation="silu") -> to
     """``act(gate) * up`` for any ``GLUActivation`` (or a plain form's name),
     written as the models write it (HF's eager expressions), so autograd of
     this is the reference gradient, clamp boundaries included."""
-    from .activations import resolve_activation
-
     spec = resolve_activation(activation)
     if spec.limit is not None:
         gate = gate.clamp(max=spec.limit)
@@ -50,3 +50,34 @@ def glu_ffn_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | No
                       w3: torch.Tensor, b3: torch.Tensor | None, activation="silu") -> torch.Tensor:
     """The packed feed-forward with any activation spec (x12 in its layout)."""
     return F.linear(glu_reference(*split_gate_up(F.linear(x, w12, b12), activation), activation), w3, b3)
+
+
+def experts_reference(hidden_states, top_k_index, top_k_weights, w12, w3, b12=None, b3=None, *,
+                      activation="silu", transposed=False, x12_dtype=None) -> torch.Tensor:
+    """The slow eager reference of ``routed_experts``: a loop over experts of
+    plain torch ops (``glu_reference``), accumulated per token in fp32.
+    ``x12_dtype`` rounds the gate/up projection to that dtype before the
+    activation (as a low-precision op stores it): a clamp's gradient jumps at
+    the limit, so a check of a bf16 op against a float64 reference must take
+    the same clamp decisions."""
+
+    spec = resolve_activation(activation)
+    D = hidden_states.shape[-1]
+    x = hidden_states.reshape(-1, D)
+    K = top_k_index.shape[-1]
+    ids = top_k_index.reshape(x.shape[0], K)
+    acc = torch.zeros(x.shape[0], D, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
+    for e in range(w12.shape[0]):
+        token, slot = torch.where(ids == e)
+        if token.numel() == 0:
+            continue
+        W12 = w12[e].t() if transposed else w12[e]
+        W3 = w3[e].t() if transposed else w3[e]
+        x12 = F.linear(x[token], W12, None if b12 is None else b12[e])
+        if x12_dtype is not None:
+            x12 = x12.to(x12_dtype).to(x12.dtype)
+        z = F.linear(glu_reference(*split_gate_up(x12, spec), spec), W3, None if b3 is None else b3[e])
+        if top_k_weights is not None:
+            z = z * top_k_weights.reshape(x.shape[0], K)[token, slot].unsqueeze(1)
+        acc = acc.index_add(0, token, z.to(acc.dtype))
+    return acc.to(hidden_states.dtype).view(hidden_states.shape)

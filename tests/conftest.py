@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from swiglu_cupy.launch_config import using_launcher
+from swiglu_cupy.kernels.launch_config import using_launcher
 
-from swiglu_cupy.testing.host_exec import HostLauncher
+from swiglu_cupy.kernels.host_exec import HostLauncher
 
 DTYPES_ALL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

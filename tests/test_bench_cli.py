@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from swiglu_cupy.bench import CONTENDERS, LOWER_BOUND, Settings, Shape, add_arguments, resolve
+from swiglu_cupy.tools.bench import CONTENDERS, LOWER_BOUND, Settings, Shape, add_arguments, resolve
 
 ENV_KEYS = ("date", "device", "python", "torch", "torch_cuda", "cupy", "cuda_runtime", "driver",
             "gpu_name", "swiglu_cupy")

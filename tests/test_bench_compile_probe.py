@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 import swiglu_cupy
-from swiglu_cupy.bench.compile_probe import bench_compile, probe_env
-from swiglu_cupy.bench.measure import Clock
+from swiglu_cupy.tools.bench.compile_probe import bench_compile, probe_env
+from swiglu_cupy.tools.bench.measure import Clock
 
 
 def test_compile_is_null_with_a_reason_on_cpu():

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swiglu_cupy.bench.contenders import (GemmRunner, ModuleRunner, Unavailable, build_module,
+from swiglu_cupy.tools.bench.contenders import (GemmRunner, ModuleRunner, Unavailable, build_module,
                                           master_weights)
 
 D, H, M = 16, 24, 5

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from swiglu_cupy.bench.config import Settings
-from swiglu_cupy.bench.contenders import ModuleRunner, build_module, master_weights
-from swiglu_cupy.bench.measure import (NEEDS_CUDA, Clock, bench_copy, bench_cpu_path, bench_overhead,
+from swiglu_cupy.tools.bench.config import Settings
+from swiglu_cupy.tools.bench.contenders import ModuleRunner, build_module, master_weights
+from swiglu_cupy.tools.bench.measure import (NEEDS_CUDA, Clock, bench_copy, bench_cpu_path, bench_overhead,
                                        elementwise_bytes, interleaved, measure_runner, median_ratio,
                                        relative_error, short_error, stats)
 

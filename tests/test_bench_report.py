@@ -1,6 +1,6 @@
 """The bench report's text table, built from a report dict alone."""
-from swiglu_cupy.bench.contenders import LABELS, LOWER_BOUND
-from swiglu_cupy.bench.report import format_table
+from swiglu_cupy.tools.bench.contenders import LABELS, LOWER_BOUND
+from swiglu_cupy.tools.bench.report import format_table
 
 
 def _stats(median):

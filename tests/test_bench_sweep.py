@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 
-from swiglu_cupy.bench import add_arguments
-from swiglu_cupy.bench.config import Settings
-from swiglu_cupy.bench.measure import Clock, elementwise_bytes
-from swiglu_cupy.bench.sweep import (KERNELS, SweepShape, best_per_kernel, describe_estimate, estimate_seconds,
+from swiglu_cupy.tools.bench import add_arguments
+from swiglu_cupy.tools.bench.config import Settings
+from swiglu_cupy.tools.bench.measure import Clock, elementwise_bytes
+from swiglu_cupy.tools.bench.sweep import (KERNELS, SweepShape, best_per_kernel, describe_estimate, estimate_seconds,
                                      format_sweep, recommend, resolve_sweep, sweep_shape)
-from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, current_launch_config
+from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, current_launch_config
 
 FAST = LaunchConfig(2, 256, None)
 SLOW = LaunchConfig(1, 128, 1)
@@ -104,7 +104,7 @@ def test_best_per_kernel_and_recommended_default():
     assert rec["new_line"] == "DEFAULT_LAUNCH = LaunchConfig(packs_per_thread=2, threads_per_block=256, " \
                               "grid_waves=None)"
     # The current line is the one launch_config.py holds.
-    import swiglu_cupy.launch_config as lc
+    import swiglu_cupy.kernels.launch_config as lc
     with open(lc.__file__) as fh:
         assert rec["current_line"] in fh.read().splitlines()
 
@@ -116,7 +116,7 @@ def test_best_per_kernel_and_recommended_default():
     assert "  0.1500 (0.1425-0.1575)    4000.0   100%*" in row
     assert any(line.startswith(DEFAULT_LAUNCH.label + " (default)") for line in lines)
     assert f"best backward at M=8192 H=11008 bf16: {SLOW.label}  0.3700 (0.3515-0.3885)    3243.2    81%" in lines
-    i = lines.index("to make it the default, in swiglu_cupy/launch_config.py replace")
+    i = lines.index("to make it the default, in swiglu_cupy/kernels/launch_config.py replace")
     assert lines[i + 1:i + 4] == [f"    {rec['current_line']}", "with", f"    {rec['new_line']}"]
     assert lines[-1] == "total sweep time: 12.0 s (estimated ~40 s)"
 

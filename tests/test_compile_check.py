@@ -10,10 +10,10 @@ import sys
 import pytest
 import torch
 
-from swiglu_cupy import compile_check
-from swiglu_cupy._sources import (DEFAULT_VARIANT, SUPPORTED_DTYPES, VARIANTS, kernel_names, max_threads_per_block,
+from swiglu_cupy.kernels import compile_check
+from swiglu_cupy.kernels.sources import (DEFAULT_VARIANT, SUPPORTED_DTYPES, VARIANTS, kernel_names, max_threads_per_block,
                                  variant_of_kernel)
-from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
+from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
 ALL_VARIANTS_ARCH = "sm_90"  # every variant here; its PTX is checked below

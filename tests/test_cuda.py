@@ -7,10 +7,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
-from swiglu_cupy import _launch, primitives
-from swiglu_cupy._sources import VARIANTS
+from swiglu_cupy import primitives
+from swiglu_cupy.kernels import launch as _launch
+from swiglu_cupy.kernels.sources import VARIANTS
 from swiglu_cupy.activations import GPT_OSS, GLUActivation, deepseek_v4
-from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, using_launch_config
+from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, using_launch_config
 from conftest import (assert_compiled_matches_eager, assert_nontrivial, elementwise_error_bounds, glu_error_bounds,
                       rel_rms, spec_of_variant, swiglu_fp64_reference)
 

@@ -59,10 +59,10 @@ def test_silu_mul_function_checks_its_argument_count_too():
 
 
 def test_a_function_with_defaults_cannot_use_the_lean_apply():
-    from swiglu_cupy.functions import _LeanApplyFunction
+    from swiglu_cupy._autograd import LeanApplyFunction
 
     with pytest.raises(TypeError, match="required positional arguments only"):
-        class WithDefault(_LeanApplyFunction):  # noqa: F841
+        class WithDefault(LeanApplyFunction):  # noqa: F841
             @staticmethod
             def forward(x, scale=2.0):
                 return x * scale

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
-from swiglu_cupy import ops, primitives, reference
+from swiglu_cupy import primitives, reference
+from swiglu_cupy.primitives import ops
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
-from swiglu_cupy.module import _interleave
+from swiglu_cupy.dense.module import _interleave
 from conftest import assert_compiled_matches_eager, assert_nontrivial, onnx_run_with_standard_ops, rel_rms
 
 D, H, O = 32, 48, 24

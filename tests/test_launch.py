@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from swiglu_cupy import _launch, primitives
-from swiglu_cupy._sources import kernel_names
+from swiglu_cupy import primitives
+from swiglu_cupy.kernels import launch as _launch
+from swiglu_cupy.kernels.sources import kernel_names
 
 
 def test_concurrent_first_calls_compile_once(monkeypatch):
@@ -98,7 +99,7 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
 def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):
     """One RawModule per (device, dtype, variant), built from that variant's
     source; a second kernel of the same variant reuses it."""
-    from swiglu_cupy import _sources
+    from swiglu_cupy.kernels import sources as _sources
     from swiglu_cupy.activations import GPT_OSS
 
     fake = _FakeCupy()
@@ -253,7 +254,7 @@ def test_info_command_explains_the_state():
 
 
 def test_info_without_cupy_names_the_fix(monkeypatch):
-    from swiglu_cupy import info
+    from swiglu_cupy.tools import info
 
     def no_cupy():
         raise _launch.CudaUnavailableError("x") from ImportError("No module named 'cupy'")
@@ -288,7 +289,7 @@ def test_unloadable_nvrtc_falls_back_like_missing_cupy(monkeypatch):
 
 
 def test_launch_config_validation_names_the_field():
-    from swiglu_cupy.launch_config import LaunchConfig
+    from swiglu_cupy.kernels.launch_config import LaunchConfig
 
     for kwargs, match in [({"packs_per_thread": 3}, "packs_per_thread must be one of the compiled"),
                           ({"packs_per_thread": True}, "packs_per_thread"),
@@ -302,7 +303,7 @@ def test_launch_config_validation_names_the_field():
 
 
 def test_using_launch_config_is_scoped_and_per_thread(host_launcher):
-    from swiglu_cupy.launch_config import DEFAULT_LAUNCH, LaunchConfig, current_launch_config, using_launch_config
+    from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LaunchConfig, current_launch_config, using_launch_config
 
     config = LaunchConfig(4, 128, 1)
     seen_elsewhere = []

@@ -10,9 +10,10 @@ from torch.utils.checkpoint import checkpoint
 
 import rank_launcher
 import swiglu_cupy.moe as moe
+from swiglu_cupy.moe import grouped, routing
 from conftest import assert_nontrivial, rel_rms, zero_filled_shapes
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
-from swiglu_cupy.bench.moe import saved_activation_bytes
+from swiglu_cupy.tools.bench.moe import saved_activation_bytes
 
 # Relative RMS error bounds against the float64 reference: a few roundings of
 # the storage dtype (GEMM outputs are rounded, the activation once).
@@ -43,7 +44,7 @@ SCHEDULES = ["grouped", "loop"]
 
 def use_schedule(monkeypatch, name):
     if name == "loop":
-        monkeypatch.setattr(moe, "grouped_mm_runs", lambda *a: False)
+        monkeypatch.setattr(grouped, "grouped_mm_runs", lambda *a: False)
 
 
 def routing_weights(logits, ids):
@@ -98,7 +99,7 @@ def test_grouped_mm_and_loop_paths_agree(monkeypatch, D, I):
     """The grouped_mm path (aligned fp32) and the per-expert loop of GEMMs
     give the same results; odd widths take the loop by themselves."""
     inputs = make(D=D, I=I, transposed=True, bias=True)
-    assert moe.grouped_mm_runs(inputs[0], inputs[3], inputs[4]) == (D % 4 == 0 and I % 2 == 0)
+    assert grouped.grouped_mm_runs(inputs[0], inputs[3], inputs[4]) == (D % 4 == 0 and I % 2 == 0)
     y = run(inputs, GPT_OSS, True)
     dy = torch.randn_like(y)
     g = grads(inputs, y, dy)
@@ -113,10 +114,10 @@ def test_grouped_mm_and_loop_paths_agree(monkeypatch, D, I):
 def test_grouped_mm_runs_predicate():
     x = torch.randn(16, 64)
     w12, w3 = torch.randn(2, 64, 64), torch.randn(2, 64, 32)
-    assert moe.grouped_mm_runs(x, w12, w3)
-    assert not moe.grouped_mm_runs(x.double(), w12.double(), w3.double())      # no float64 kernel
-    assert not moe.grouped_mm_runs(torch.randn(16 * 64 + 1)[1:].view(16, 64), w12, w3)  # 4-byte aligned base
-    assert not moe.grouped_mm_runs(torch.randn(16, 66)[:, :62], torch.randn(2, 64, 62), torch.randn(2, 62, 32))
+    assert grouped.grouped_mm_runs(x, w12, w3)
+    assert not grouped.grouped_mm_runs(x.double(), w12.double(), w3.double())      # no float64 kernel
+    assert not grouped.grouped_mm_runs(torch.randn(16 * 64 + 1)[1:].view(16, 64), w12, w3)  # 4-byte aligned base
+    assert not grouped.grouped_mm_runs(torch.randn(16, 66)[:, :62], torch.randn(2, 64, 62), torch.randn(2, 62, 32))
 
 
 def test_routing_weight_multiplies_the_down_output_bias_included():
@@ -315,7 +316,7 @@ def test_expert_parallel_sentinels_contribute_zero(monkeypatch, schedule):
     ids[::3, 1] = 4 + torch.arange(ids[::3].shape[0]) % 3   # sentinels 4, 5, 6
     sentinel = ids >= 4
     rw = routing_weights(logits, ids.clamp(max=3)).detach().requires_grad_()
-    y = moe.route_and_combine(x, ids, rw, w12, b12, w3, b3, SILU, False, False, True)
+    y = routing.route_and_combine(x, ids, rw, w12, b12, w3, b3, SILU, False, False, True)
     leaves = [x, rw, w12, w3, b12, b3]
     dy = torch.randn_like(y)
     g = torch.autograd.grad(y, leaves, dy)
@@ -344,7 +345,7 @@ def test_sentinel_tail_rows_are_zero_whatever_they_hold(monkeypatch, schedule):
     w3 = (torch.randn(E, D, I, generator=gen) / 8).requires_grad_()
     b3 = torch.randn(E, D, generator=gen).requires_grad_()
     offsets = torch.tensor([10, 10, S - tail], dtype=torch.int32)
-    y = moe.run_experts(x, offsets, w12, None, w3, b3, rw, SILU, False, False, True)
+    y = grouped.run_experts(x, offsets, w12, None, w3, b3, rw, SILU, False, False, True)
     dy = torch.randn(S, D, generator=gen)
     dx, drw, dw12, dw3, db3 = torch.autograd.grad(y, (x, rw, w12, w3, b3), dy)
     assert torch.equal(y[S - tail:], torch.zeros(tail, D)) and torch.equal(dx[S - tail:], torch.zeros(tail, D))
@@ -517,9 +518,9 @@ def test_cuda_matches_fp64_reference_both_paths(dtype, monkeypatch):
     for spec, transposed, bias in ((SILU, False, False), (GPT_OSS, True, True)):
         inputs = make(dtype=dtype, transposed=transposed, bias=bias, T=301, E=8, device="cuda")
         if dtype == torch.bfloat16:
-            assert moe.grouped_mm_runs(inputs[0], inputs[3], inputs[4])
+            assert grouped.grouped_mm_runs(inputs[0], inputs[3], inputs[4])
         assert_matches_reference(inputs, spec, transposed, dtype)
         with monkeypatch.context() as m:
-            m.setattr(moe, "grouped_mm_runs", lambda *a: False)
+            m.setattr(grouped, "grouped_mm_runs", lambda *a: False)
             assert_matches_reference(inputs, spec, transposed, dtype)
 

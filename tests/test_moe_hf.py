@@ -20,7 +20,7 @@ moe_integration = pytest.importorskip("transformers.integrations.moe")
 import swiglu_cupy.hf_experts as hx  # noqa: E402
 from conftest import assert_nontrivial  # noqa: E402
 from swiglu_cupy.activations import GPT_OSS, GLUActivation  # noqa: E402
-from swiglu_cupy.bench.moe import (MEMORY_GOAL, TINY_FAMILIES, experts_modules, family_memory,  # noqa: E402
+from swiglu_cupy.tools.bench.moe import (MEMORY_GOAL, TINY_FAMILIES, experts_modules, family_memory,  # noqa: E402
                                    tiny_model, use_implementation)
 from swiglu_cupy.reference import glu_reference, split_gate_up  # noqa: E402
 
@@ -382,8 +382,8 @@ def test_bench_time_case_and_its_report_lines():
     """``bench --moe``'s timing on a small shape: both implementations timed
     in every round, the ratio of the medians, the per-round ratios' spread,
     and the report line that prints them."""
-    from swiglu_cupy.bench.measure import Clock
-    from swiglu_cupy.bench.moe import format_moe, round_ratios, time_case
+    from swiglu_cupy.tools.bench.measure import Clock
+    from swiglu_cupy.tools.bench.moe import format_moe, round_ratios, time_case
 
     shape = {"E": 4, "K": 2, "D": 32, "I": 16, "T": 24}
     case = time_case("fp32", Clock(torch.device("cpu")), rounds=3, warmup=1, shape=shape)
@@ -397,3 +397,54 @@ def test_bench_time_case_and_its_report_lines():
     text = format_moe(report)
     assert f"ratio {case['ratio']:.3f} (goal <= 1.0); per-round ratios p10-p90 " \
            f"{case['round_ratio']['p10']:.3f}-{case['round_ratio']['p90']:.3f}" in text
+
+
+# --- patched on the meta device: class-level patching, from_pretrained's skeleton -------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_patch_inside_the_meta_device_then_load(family, tmp_path):
+    """What class-level patching (and from_pretrained's skeleton) does: patch a
+    model built under ``torch.device("meta")``. Every probe builds its
+    tensors on the CPU (the experts' gate check used to build a meta tensor
+    and raise on .item()); after loading real weights the patched model
+    matches HF's grouped_mm, logits and gradients."""
+    import swiglu_cupy as sc
+    from transformers import AutoModelForCausalLM
+
+    reference = tiny_model(family)
+    reference.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(tiny_config_of(reference))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no "left unfused" warning either
+        report = sc.patch(skeleton)
+    assert report.experts == len(experts_modules(skeleton)) > 0, str(report)
+
+    original = AutoModelForCausalLM.from_pretrained
+    patched_at_build = []
+
+    def from_pretrained_patching_its_skeleton(*args, **kwargs):
+        """As a class-level patch sees it: the skeleton patched before loading."""
+        import transformers.modeling_utils as mu
+        post_init = mu.PreTrainedModel.post_init
+
+        def post_init_and_patch(self, *a, **k):
+            post_init(self, *a, **k)
+            if self.__class__.__name__.endswith("ForCausalLM"):
+                patched_at_build.append(sc.patch(self))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(mu.PreTrainedModel, "post_init", post_init_and_patch)
+            return original(*args, **kwargs)
+
+    model = from_pretrained_patching_its_skeleton(tmp_path)
+    assert patched_at_build and patched_at_build[0].experts > 0
+    assert all(hx.experts_plan(m).activation is not None for m in experts_modules(model))
+    ids = _ids()
+    logits, grads = _run(model, hx.NAME, ids)
+    logits0, grads0 = _run(reference, "grouped_mm", ids)
+    assert _rel(logits, logits0) < LOGITS_RTOL
+    _assert_grads_close(grads, grads0, f"{family} patched on meta")
+
+
+def tiny_config_of(model):
+    return type(model.config).from_dict(model.config.to_dict())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import swiglu_cupy as sc
-from swiglu_cupy import ops
+from swiglu_cupy.primitives import ops
 from conftest import assert_compiled_matches_eager
 
 

@@ -27,7 +27,8 @@ def test_wheel_contains_the_kernel_sources_and_every_module(wheel):
     for source in sorted(p.name for p in (REPO / "kernels_cu").iterdir()):
         assert f"swiglu_cupy/kernels_cu/{source}" in names
     modules = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "swiglu_cupy").rglob("*.py"))
-    assert "swiglu_cupy/bench/__init__.py" in modules  # subpackages included
+    assert {f"swiglu_cupy/{sub}/__init__.py" for sub in ("kernels", "primitives", "dense", "moe", "integrations",
+                                                       "tools", "tools/bench")} <= set(modules)  # subpackages included
     for module in modules:
         assert module in names, module
 
@@ -50,8 +51,8 @@ def test_installed_wheel_compiles_its_own_kernels(wheel, tmp_path):
     script = textwrap.dedent("""
         import sys, torch, swiglu_cupy
         from pathlib import Path
-        from swiglu_cupy import _sources
-        from swiglu_cupy.compile_check import compile_module
+        from swiglu_cupy.kernels import sources as _sources
+        from swiglu_cupy.kernels.compile_check import compile_module
         pkg = Path(%r).resolve() / "swiglu_cupy"
         assert Path(swiglu_cupy.__file__).resolve().parent == pkg, swiglu_cupy.__file__
         assert _sources.kernel_dir() == pkg / "kernels_cu", _sources.kernel_dir()

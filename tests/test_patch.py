@@ -16,7 +16,7 @@ import swiglu_cupy.hf_experts as hx
 from conftest import assert_nontrivial, rel_rms
 from glu_zoo import (Dinov2SwiGLUFFN, RenamedGeGLU, SwappedGateLookAlike, TimmGluMlp, TimmSwiGLU,
                      TorchtitanFeedForward, timm_swiglu_packed)
-from swiglu_cupy import patching
+from swiglu_cupy.integrations import forward, recognition
 from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_model, unapply
 from swiglu_cupy.xformers import patch_xformers
 
@@ -147,13 +147,13 @@ def test_packed_gate_up_proj_used_in_place(family, monkeypatch):
     assert patch_model(model, strict=True) == len(mlps)
     assert [m.gate_up_proj.weight for m in mlps] == weights
     seen = []
-    real = patching.swiglu
+    real = forward.swiglu
 
     def spy(x, w12, *args, **kwargs):
         seen.append(w12)
         return real(x, w12, *args, **kwargs)
 
-    monkeypatch.setattr(patching, "swiglu", spy)
+    monkeypatch.setattr(forward, "swiglu", spy)
     model(token_ids(), labels=token_ids()).loss.backward()
     assert len(seen) == len(mlps)
     for w12, w, ptr in zip(seen, weights, ptrs):
@@ -406,3 +406,168 @@ def test_patch_of_a_model_without_experts_does_not_import_transformers():
             "print('transformers' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+# --- one walk: the narrow entries are filters over patch()'s decisions -----------------------
+
+class HFNamedWithDropout(nn.Module):
+    """Hugging Face names plus a dropout between the product and down_proj:
+    patch() and patch_model() used to disagree on it (two walks)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+        self.dropout = nn.Dropout(0.1)  # registered before down_proj, as it runs
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _zoo_modules():
+    return {"timm_glu": TimmGluMlp(D, 24), "timm_swiglu_packed": timm_swiglu_packed(D, 24),
+            "timm_swiglu": TimmSwiGLU(D, 12), "dinov2": Dinov2SwiGLUFFN(D, 12),
+            "torchtitan": TorchtitanFeedForward(D, 12), "renamed": RenamedGeGLU(D, 12),
+            "swapped": SwappedGateLookAlike(D, 12), "hf_dropout": HFNamedWithDropout(D, 12)}
+
+
+def _decisions(model):
+    """path -> (class after patching, plan) of every module."""
+    return {p: (type(m).__name__, getattr(m, "swiglu_plan", None)) for p, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("source", ["zoo", *HF_FAMILIES])
+def test_patch_model_and_patch_decide_alike(source):
+    """For every module hf.patch_model looks at (Hugging Face names), it
+    decides exactly as patch() does; the modules it does not look at
+    (other names) stay untouched."""
+    torch.manual_seed(0)
+    base = nn.ModuleDict(_zoo_modules()) if source == "zoo" else hf_model(source)
+    by_patch, by_model = copy.deepcopy(base), copy.deepcopy(base)
+    report = sc.patch(by_patch)
+    patch_model(by_model)
+    hf_paths = {p for p, m in base.named_modules() if recognition.hf_candidates(m) is not None}
+    assert hf_paths, "the source holds no Hugging Face-named MLP: the comparison would be empty"
+    after_patch, after_model, before = _decisions(by_patch), _decisions(by_model), _decisions(base)
+    for path in after_patch:
+        inside_hf = any(path == h or path.startswith(h + ".") for h in hf_paths)
+        expected = after_patch[path] if inside_hf else before[path]
+        assert after_model[path] == expected, (path, after_model[path], expected)
+    if source == "zoo":
+        assert "hf_dropout" in report.fused or "hf_dropout" in report.partial
+        assert set(report.skipped) == {"swapped"}
+
+
+def test_patch_xformers_is_the_walk_narrowed_to_xformers():
+    xops = _xformers_ops()
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"x": xops.SwiGLU(D, 12), "t": TorchtitanFeedForward(D, 12)})
+    assert patch_xformers(model) == 1
+    assert type(model["t"]) is TorchtitanFeedForward  # not an xformers module: left to patch()
+    report = sc.patch(model)
+    assert set(report.fused) == {"x", "t"} and report.fused["x"].endswith("(already fused)")
+
+
+# --- the meta device: decided by structure, verified at the first real forward ---------------
+
+def _materialize(model, seed=0):
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+def test_a_model_patched_on_meta_is_probed_at_its_first_forward():
+    with torch.device("meta"):
+        model = nn.Sequential(TorchtitanFeedForward(D, 12), RenamedGeGLU(D, 12), HFNamedWithDropout(D, 12))
+    report = sc.patch(model)
+    assert set(report.pending) == {"0", "1", "2"} and not report.fused and not report.skipped
+    assert len(report) == 3 and "pending" in str(report)
+    _materialize(model)
+    with torch.device("cpu"):
+        reference = nn.Sequential(TorchtitanFeedForward(D, 12), RenamedGeGLU(D, 12), HFNamedWithDropout(D, 12))
+    reference.load_state_dict(model.state_dict())
+    model.eval(), reference.eval()
+    x = torch.randn(5, D, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = model(x)
+    assert rel_rms(y, reference(x)) < 1e-6
+    assert [m.fusion() for m in model] == ["mlp", "mlp", "mlp"]
+    assert model[1].swiglu_plan.activation.kind == "gelu_tanh" and model[0].swiglu_plan.gate == "w1"
+    gx, = torch.autograd.grad(y.sum(), x)
+    gx_ref, = torch.autograd.grad(reference(x).sum(), x)
+    assert_nontrivial(gx, "x")
+    assert rel_rms(gx, gx_ref) < 1e-6
+    again = sc.patch(model)
+    assert set(again.fused) == {"0", "1", "2"} and not again.pending
+
+
+def test_a_meta_look_alike_refused_at_its_first_forward_warns_once_and_runs_its_own_forward(monkeypatch):
+    with torch.device("meta"):
+        model = nn.Sequential(SwappedGateLookAlike(D, 12))
+    assert set(sc.patch(model).pending) == {"0"}
+    _materialize(model)
+    x = torch.randn(3, D)
+    with pytest.warns(RuntimeWarning, match="SwappedGateLookAlike patched on the meta device.*probe mismatch"):
+        y = model(x)
+    expected = SwappedGateLookAlike.forward(model[0], x)
+    assert torch.equal(y, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: decided for good
+        assert torch.equal(model(x), expected)
+    assert model[0].swiglu_plan is None and model[0].fusion() is None
+
+    with torch.device("meta"):
+        strict = nn.Sequential(SwappedGateLookAlike(D, 12))
+    sc.patch(strict)
+    _materialize(strict)
+    monkeypatch.setenv("SWIGLU_CUPY_STRICT", "1")
+    with pytest.raises(RuntimeError, match="runs its original forward: probe mismatch"):
+        strict(x)
+
+
+def test_patching_again_after_materialising_decides_then():
+    with torch.device("meta"):
+        model = nn.Sequential(TorchtitanFeedForward(D, 12), SwappedGateLookAlike(D, 12))
+    sc.patch(model)
+    _materialize(model)
+    report = sc.patch(model)
+    assert set(report.fused) == {"0"} and "decided now" in report.fused["0"]
+    assert set(report.skipped) == {"1"} and "refused by the probe" in report.skipped["1"]
+
+
+def test_torchtitan_style_linear_subclass_is_plain():
+    """An nn.Linear subclass that keeps nn.Linear.forward (torchtitan's Linear)
+    runs the whole MLP fused; one that overrides forward runs as itself, and
+    the report names what it found."""
+
+    class KeepsForward(nn.Linear):
+        pass
+
+    class OverridesForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    def build(linear):
+        ff = TorchtitanFeedForward(D, 12)
+        for name in ("w1", "w2", "w3"):
+            old = getattr(ff, name)
+            new = linear(old.in_features, old.out_features, bias=False)
+            new.weight = old.weight
+            setattr(ff, name, new)
+        return ff
+
+    torch.manual_seed(0)
+    kept = sc.patch(nn.Sequential(build(KeepsForward)))
+    assert set(kept.fused) == {"0"} and not kept.partial
+    overridden = sc.patch(nn.Sequential(build(OverridesForward)))
+    assert set(overridden.partial) == {"0"}
+    assert "OverridesForward overrides nn.Linear.forward" in overridden.partial["0"]
+    hooked = build(KeepsForward)
+    hooked.w1.register_forward_hook(lambda m, i, o: None)
+    assert "KeepsForward has hooks" in sc.patch(nn.Sequential(hooked)).partial["0"]

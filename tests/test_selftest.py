@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from swiglu_cupy import selftest
-from swiglu_cupy.selftest import Step, _tee, choose_sweep, format_estimate, format_summary, sweep_estimates
+from swiglu_cupy.tools import selftest
+from swiglu_cupy.tools.selftest import Step, _tee, choose_sweep, format_estimate, format_summary, sweep_estimates
 
 
 def test_without_cuda_exits_2_and_runs_nothing(tmp_path):

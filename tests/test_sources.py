@@ -1,7 +1,7 @@
 """Kernel sources: location, include inlining and cache-key freshness."""
 import torch
 
-from swiglu_cupy import _sources
+from swiglu_cupy.kernels import sources as _sources
 
 
 def test_local_headers_are_inlined_once():
@@ -16,7 +16,7 @@ def test_local_headers_are_inlined_once():
 def test_kernel_names_cover_every_packs_per_thread_candidate():
     """One entry point per kind x access width x compiled packs-per-thread,
     each stamped out in the source (NVRTC proves they exist: test_compile_check)."""
-    from swiglu_cupy.launch_config import LAUNCH_CANDIDATES
+    from swiglu_cupy.kernels.launch_config import LAUNCH_CANDIDATES
 
     packs = sorted({c.packs_per_thread for c in LAUNCH_CANDIDATES})
     assert packs == [1, 2, 4]

@@ -57,10 +57,57 @@ def test_global_module_hooks_are_seen():
     assert compat.global_module_hooks_active() is False
 
 
-def test_registered_global_decompositions_are_in_torch_table():
-    """swiglu_cupy.ops registers its functional ops' aten math there at import."""
-    import torch._decomp
+def _in_a_fresh_process(code: str) -> str:
+    import subprocess
+    import sys
 
-    import swiglu_cupy.ops  # noqa: F401
-    table = torch._decomp.global_decomposition_table["post_autograd"]
-    assert torch.ops.swiglu_cupy.swiglu_forward.default in table, "torch._decomp's global table changed"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_global_decompositions_are_registered_by_an_export_not_by_import():
+    """torch.onnx.export(exported_program) finds our functional ops' aten math
+    in torch's global decomposition table (torch._decomp); importing
+    swiglu_cupy leaves that table alone, tracing an export fills it."""
+    out = _in_a_fresh_process(
+        "import torch, torch._decomp, swiglu_cupy as sc\n"
+        "table = torch._decomp.global_decomposition_table['post_autograd']\n"
+        "op = torch.ops.swiglu_cupy.swiglu_forward.default\n"
+        "print(op in table)\n"
+        "torch.export.export(sc.SwiGLU(8, 16), (torch.randn(3, 8),))\n"
+        "print(op in table)\n")
+    assert out.split() == ["False", "True"], "torch._decomp's global table changed, or import registers again"
+
+
+def test_register_onnx_decompositions_fills_torch_table():
+    out = _in_a_fresh_process(
+        "import torch, torch._decomp, swiglu_cupy.ops as ops\n"
+        "ops.register_onnx_decompositions()\n"
+        "table = torch._decomp.global_decomposition_table['post_autograd']\n"
+        "print(all(o in table for o in (torch.ops.swiglu_cupy.swiglu_forward.default,\n"
+        "                               torch.ops.swiglu_cupy.silu_mul_backward.default)))\n")
+    assert out == "True"
+
+
+def test_a_torch_without_the_cpp_apply_still_imports_and_runs(tmp_path):
+    """If torch moves _FunctionBase, import swiglu_cupy warns once and the
+    Functions take torch's own apply: same results (a speed loss only)."""
+    out = _in_a_fresh_process(
+        "import warnings, torch\n"
+        "del torch._C._FunctionBase\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import swiglu_cupy as sc\n"
+        "print(sum('_FunctionBase is gone' in str(w.message) for w in caught))\n"
+        "from swiglu_cupy import _torch_compat\n"
+        "print(_torch_compat.cpp_function_apply is None)\n"
+        "torch.manual_seed(0)\n"
+        "m = sc.SwiGLU(8, 16); x = torch.randn(3, 8, requires_grad=True)\n"
+        "y = m(x); y.sum().backward()\n"
+        "ref = sc.swiglu_reference(x.detach(), m.w12.weight, m.w12.bias, m.w3.weight, m.w3.bias)\n"
+        "print(torch.allclose(y, ref, atol=1e-6) and bool(x.grad.abs().sum() > 0))\n")
+    assert out.split() == ["1", "True", "True"], out
+
+
+def test_this_torch_has_the_cpp_apply():
+    """The fallback above must stay a fallback: on the supported torch the lean apply is live."""
+    assert compat.cpp_function_apply is not None, "torch._C._FunctionBase.apply moved: see _torch_compat"

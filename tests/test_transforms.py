@@ -15,7 +15,8 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import swiglu_cupy as sc
-from swiglu_cupy import ops, primitives
+from swiglu_cupy import primitives
+from swiglu_cupy.primitives import ops
 from conftest import assert_nontrivial, onnx_run_with_standard_ops
 
 D, H, O = 12, 20, 10

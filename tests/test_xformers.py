@@ -147,7 +147,7 @@ def test_matrix_against_float64_and_eager(packed, bias, dtype, autocast):
 
 def test_packed_op_gets_a_view_of_w12(monkeypatch):
     """The packed op hands swiglu() the storage of w12.weight itself."""
-    import swiglu_cupy.xformers as sx
+    from swiglu_cupy.integrations import xformers_ops as sx
 
     seen = []
 

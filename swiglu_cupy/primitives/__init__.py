@@ -37,52 +37,21 @@ CUDA tensors run the kernels in ``kernels_cu/`` (CuPy); other tensors run the
 torch implementation. ``implementation=`` forces one ("torch" or "kernels"),
 ``launcher=`` (or ``launch_config.using_launcher``) substitutes the kernel
 launcher (the host-execution harness).
-The kernels' launch shape is chosen with ``swiglu_cupy.launch_config``.
+The kernels' launch shape is chosen with ``swiglu_cupy.kernels.launch_config``.
 """
 from __future__ import annotations
 
 import torch
 
-from .._launch import cuda_kernels_available
-from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION, SUPPORTED_DTYPES
+from ..kernels.launch import cuda_kernels_available
+from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
+from .._validation import check_gate, check_like, check_x12
 from ..activations import SILU, resolve_activation
-from ..launch_config import forced_launcher
-from . import kernels, torch_impl
+from ..kernels.launch_config import forced_launcher
+from . import torch_impl
+from . import cuda_impl as kernels
 
 __all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
-
-
-def _check_x12(x12: torch.Tensor) -> int:
-    if not isinstance(x12, torch.Tensor):
-        raise TypeError(f"x12 must be a torch.Tensor, got {type(x12).__name__}")
-    if x12.dim() != 2:
-        raise ValueError(f"x12 must be 2-D [M, 2H], got shape {tuple(x12.shape)}")
-    if x12.shape[1] % 2:
-        raise ValueError(f"x12 must have an even number of columns [M, 2H], got {x12.shape[1]}")
-    if x12.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"x12 dtype must be one of {SUPPORTED_DTYPES}, got {x12.dtype}")
-    return x12.shape[1] // 2
-
-
-def _check_gate(gate: torch.Tensor) -> None:
-    if not isinstance(gate, torch.Tensor):
-        raise TypeError(f"gate must be a torch.Tensor, got {type(gate).__name__}")
-    if gate.dim() != 2:
-        raise ValueError(f"gate must be 2-D [M, H], got shape {tuple(gate.shape)}")
-    if gate.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"gate dtype must be one of {SUPPORTED_DTYPES}, got {gate.dtype}")
-
-
-def _check_like(name: str, t: torch.Tensor, shape: tuple[int, int], ref: torch.Tensor,
-                ref_name: str = "x12") -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.shape != shape:  # torch.Size compares with a tuple
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.dtype != ref.dtype:
-        raise TypeError(f"{name} dtype must match {ref_name} ({ref.dtype}), got {t.dtype}")
-    if t.device != ref.device:
-        raise ValueError(f"{name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
 
 
 def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -116,10 +85,10 @@ def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
 
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
                    implementation: str | None = None, launcher=None, activation="silu") -> torch.Tensor:
-    H = _check_x12(x12)
+    H = check_x12(x12)
     spec = resolve_activation(activation)
     if out is not None:
-        _check_like("out", out, (x12.shape[0], H), x12)
+        check_like("out", out, (x12.shape[0], H), x12)
         if spec.interleaved and out.untyped_storage().data_ptr() == x12.untyped_storage().data_ptr():
             raise ValueError("out must not share x12's memory when activation is interleaved "
                              "(h cannot overwrite interleaved pairs in place)")
@@ -129,20 +98,20 @@ def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
 def swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None = None, *,
                     implementation: str | None = None, launcher=None, activation="silu"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    H = _check_x12(x12)
-    _check_like("dh", dh, (x12.shape[0], H), x12)
+    H = check_x12(x12)
+    check_like("dh", dh, (x12.shape[0], H), x12)
     if dx12_out is not None:
-        _check_like("dx12_out", dx12_out, tuple(x12.shape), x12)
+        check_like("dx12_out", dx12_out, tuple(x12.shape), x12)
     return run_swiglu_backward(x12, dh, dx12_out, implementation, launcher, resolve_activation(activation))
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None, *,
                      implementation: str | None = None, launcher=None, activation="silu") -> torch.Tensor:
-    _check_gate(gate)
+    check_gate(gate)
     shape = tuple(gate.shape)
-    _check_like("up", up, shape, gate, "gate")
+    check_like("up", up, shape, gate, "gate")
     if out is not None:
-        _check_like("out", out, shape, gate, "gate")
+        check_like("out", out, shape, gate, "gate")
     return run_silu_mul_forward(gate, up, out, implementation, launcher, _halves_only(activation))
 
 
@@ -150,13 +119,13 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
                       dgate_out: torch.Tensor | None = None, dup_out: torch.Tensor | None = None, *,
                       implementation: str | None = None, launcher=None, activation="silu"
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_gate(gate)
+    check_gate(gate)
     shape = tuple(gate.shape)
-    _check_like("up", up, shape, gate, "gate")
-    _check_like("dh", dh, shape, gate, "gate")
+    check_like("up", up, shape, gate, "gate")
+    check_like("dh", dh, shape, gate, "gate")
     for name, t in (("dgate_out", dgate_out), ("dup_out", dup_out)):
         if t is not None:
-            _check_like(name, t, shape, gate, "gate")
+            check_like(name, t, shape, gate, "gate")
     return run_silu_mul_backward(gate, up, dh, dgate_out, dup_out, implementation, launcher,
                                  _halves_only(activation))
 

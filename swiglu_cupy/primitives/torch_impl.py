@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._sources import FULL_PRECISION_DTYPES as _FULL_PRECISION
+from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
 from ..activations import SILU, GLUActivation
 
 

@@ -1,0 +1,77 @@
+"""The autograd scaffolding the dense and MoE Functions share: the apply-only
+base class, the one rule for when a graph is needed, autocast dispatch, and
+the handling of an output that exists only to be saved."""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ._torch_compat import cpp_function_apply, functorch_transforms_active, is_functorch_wrapped
+
+__all__ = ["LeanApplyFunction", "graph_needed", "under_autocast", "mark_saved_only"]
+
+
+class LeanApplyFunction(torch.autograd.Function):
+    """torch.autograd.Function whose ``apply`` skips torch's per-call
+    ``inspect.signature`` binding (~15 us). Every argument of ``forward`` is
+    required and positional, so nothing is left to bind: a call with the
+    wrong count fails the same way in eager and under torch.func. Under
+    torch.func transforms, with a tensor left over from one, or where torch's
+    C++ apply cannot be reached (see ``_torch_compat``), torch's own ``apply``
+    runs unchanged."""
+
+    _num_args: int = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        params = inspect.signature(cls.forward).parameters.values()
+        if any(p.default is not p.empty or p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
+            raise TypeError(f"{cls.__name__}.forward must take required positional arguments only")
+        cls._num_args = len(params)
+
+    @classmethod
+    def apply(cls, *args):
+        if len(args) != cls._num_args:
+            names = ", ".join(inspect.signature(cls.forward).parameters)
+            raise TypeError(f"{cls.__name__}.apply takes {cls._num_args} positional arguments "
+                            f"({names}), got {len(args)}")
+        if cpp_function_apply is not None and not functorch_transforms_active():
+            for a in args:
+                # Transforms wrap into plain torch.Tensor objects (never Parameters or subclasses).
+                if a.__class__ is torch.Tensor and is_functorch_wrapped(a):
+                    break  # a tensor left over from a transform: torch's apply unwraps it
+            else:
+                return cpp_function_apply(cls, *args)
+        return super().apply(*args)
+
+
+def graph_needed(*tensors) -> bool:
+    """Whether the Function must be applied: grad mode (a graph may be
+    recorded), a tracer, or a torch.func transform (active, or left on one of
+    ``tensors``). Otherwise the forward computation runs bare (no graph,
+    nothing to save): the no-grad inference path. Never keyed on
+    requires_grad, so a checkpoint's recompute always saves."""
+    return (torch.is_grad_enabled() or torch.compiler.is_compiling() or functorch_transforms_active()
+            or any(t is not None and is_functorch_wrapped(t) for t in tensors))
+
+
+def under_autocast(device_type: str, tensors: list, run):
+    """``run(tensors)``; under ``torch.autocast`` every tensor (None stays None)
+    is first cast to the autocast dtype, as nn.Linear's inputs are, and
+    ``run`` sees autocast disabled (the Functions pick their own precision)."""
+    if not torch.is_autocast_enabled(device_type):
+        return run(tensors)
+    dtype = torch.get_autocast_dtype(device_type)
+    cast = [None if t is None else t.to(dtype) for t in tensors]
+    with torch.autocast(device_type=device_type, enabled=False):
+        return run(cast)
+
+
+def mark_saved_only(ctx, output: torch.Tensor) -> None:
+    """``output`` is returned only so that ``setup_context`` may save it
+    (torch.func requires saved tensors to be inputs or outputs): it is not
+    differentiable, and no zero gradient is materialised for it (without
+    this, every backward would first fill a tensor of its size with zeros)."""
+    ctx.mark_non_differentiable(output)
+    ctx.set_materialize_grads(False)

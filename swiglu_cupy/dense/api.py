@@ -1,0 +1,153 @@
+"""Layer 3, functional: ``swiglu``, ``swiglu_unpacked``, ``silu_mul`` and
+``glu_mul``. Each takes ``activation=`` (a plain form's name or a
+``GLUActivation``; default ``"silu"``: SwiGLU).
+
+Each validates its arguments once (``_validation``), then applies the
+apply-only Function (``functions``); under no_grad, where no graph can be
+recorded, the same forward pass runs without the Function.
+"""
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .. import _validation as check
+from .._autograd import graph_needed, under_autocast
+from .._validation import Role
+from ..activations import resolve_activation
+from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass
+
+__all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
+
+_W = Role.WEIGHT
+_PACKED_ROLES = {"x": Role.INPUT, "w12": _W, "b12": _W, "w3": _W, "b3": _W}
+_UNPACKED_ROLES = {"x": Role.INPUT, "w1": _W, "b1": _W, "w2": _W, "b2": _W, "w3": _W, "b3": _W}
+_SILU_MUL_ROLES = {"gate": Role.INPUT, "up": Role.INPUT}
+
+
+def _run(args: list, flags: tuple) -> torch.Tensor:
+    """The one place SwiGLUFunction is applied. Under autocast every input is
+    cast to the autocast dtype, like nn.Linear. ``flags``: (activation,
+    recompute_gate_up, inplace_backward)."""
+    return under_autocast(args[0].device.type, args, lambda args: _forward_or_apply(args, flags))
+
+
+def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
+    if graph_needed():
+        return SwiGLUFunction.apply(*args, *flags, not torch.is_grad_enabled())[0]
+    # No grad: no graph can be recorded, so the Function (whose only job is
+    # the graph) is skipped; the same forward pass runs, in inference mode.
+    return swiglu_forward_pass(*args, flags[0], True, False)[0]  # inference, eager (no tracer, no transform)
+
+
+def _check_modes(recompute_gate_up, inplace_backward) -> None:
+    if type(recompute_gate_up) is not bool or type(inplace_backward) is not bool:
+        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+
+
+def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
+           w3: torch.Tensor, b3: torch.Tensor | None, *, activation="silu",
+           recompute_gate_up: bool = False, inplace_backward: bool = False) -> torch.Tensor:
+    """Fused SwiGLU feed-forward: returns [..., O] (layout in ``functions.py``).
+
+    ``activation`` picks the GLU variant (``"gelu_tanh"``, ...,
+    ``swiglu_cupy.activations.GPT_OSS``; an interleaved spec means w12's rows
+    alternate gate/up). ``recompute_gate_up`` and ``inplace_backward`` are the memory modes of
+    ``SwiGLUFunction``. Under ``torch.autocast`` the inputs are cast to the autocast dtype (as
+    ``nn.Linear`` does), and the gradients flow back in each input's dtype.
+    """
+    check.reject_jit()
+    if not check.common_packed_case(x, w12, b12, w3, b3):
+        check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
+                           optional=("b12", "b3"))
+        check.check_packed_shapes(x, w12, b12, w3, b3)
+    _check_modes(recompute_gate_up, inplace_backward)
+    return _run([x, w12, b12, None, None, w3, b3],
+                (resolve_activation(activation), recompute_gate_up, inplace_backward))
+
+
+def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
+                    w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor,
+                    b3: torch.Tensor | None, *, activation="silu", recompute_gate_up: bool = False,
+                    inplace_backward: bool = False) -> torch.Tensor:
+    """``swiglu`` with separate gate (``w1 [H, D]``, ``b1``) and up (``w2``,
+    ``b2``) projections: ``w3(silu(x @ w1.T + b1) * (x @ w2.T + b2)) + b3``.
+
+    The two GEMMs write the halves of one x12 buffer, so the weights are never
+    concatenated; the same Function, kernels and guarantees as ``swiglu``
+    (backward takes one GEMM more: dx is ``dgate @ w1 + dup @ w2``).
+    ``activation`` as in ``swiglu``, halves layout only (separate weights
+    have no interleaving).
+    """
+    check.reject_jit()
+    if not check.common_case(x, (w1, w2, w3), (b1, b2, b3)):
+        check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
+                           _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
+    check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
+    _check_modes(recompute_gate_up, inplace_backward)
+    return _run([x, w1, b1, w2, b2, w3, b3],
+                (_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward))
+
+
+def _halves_activation(activation, what: str):
+    spec = resolve_activation(activation)
+    if spec.interleaved:
+        raise ValueError(f"activation={spec} is interleaved, which describes a packed w12/x12; {what} are "
+                         "separate tensors here. Pass the same spec with interleaved=False "
+                         "(dataclasses.replace(activation, interleaved=False)).")
+    return spec
+
+
+def _from_dlpack_module(array):
+    """The array library of a DLPack-exporting ``array`` (numpy, cupy, ...),
+    used to hand the result back as the same kind of array."""
+    library = importlib.import_module(type(array).__module__.split(".")[0])
+    if not hasattr(library, "from_dlpack"):
+        raise TypeError(f"gate is a {type(array).__name__} that exports DLPack, but its library "
+                        f"{library.__name__} has no from_dlpack to receive the result")
+    return library
+
+
+def silu_mul(gate, up, activation="silu"):
+    """Fused ``silu(gate) * up`` (SwiGLU's activation, for models whose
+    projections stay their own modules, e.g. LoRA or quantized layers), or
+    ``act(gate) * up`` of another GLU variant with ``activation=`` (halves
+    layout specs only: gate and up are separate; see ``glu_mul``).
+
+    ``gate`` and ``up``: one shape ``[..., H]``, one dtype (float16, bfloat16,
+    float32 or float64), one device. torch tensors go through the apply-only
+    ``SiluMulFunction`` (autograd, checkpointing, torch.compile, torch.func).
+    Any other array that exports DLPack (``__dlpack__``: NumPy on the CPU,
+    CuPy on a GPU) is read without a copy and the result comes back as the
+    same kind of array (no autograd there).
+    """
+    check.reject_jit()
+    spec = _halves_activation(activation, "gate and up")
+    if not isinstance(gate, torch.Tensor) and hasattr(gate, "__dlpack__"):
+        if not hasattr(up, "__dlpack__") or isinstance(up, torch.Tensor):
+            raise TypeError(f"up must be a DLPack array like gate ({type(gate).__name__}), "
+                            f"got {type(up).__name__}")
+        library = _from_dlpack_module(gate)
+        h = silu_mul(torch.from_dlpack(gate), torch.from_dlpack(up), spec)
+        return library.from_dlpack(h.detach())
+    for name, t in (("gate", gate), ("up", up)):
+        check.check_tensor(name, t, _SILU_MUL_ROLES[name])
+    if gate.dim() < 1:
+        raise ValueError("gate must have shape [..., H], got a 0-d tensor")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    if up.device != gate.device:
+        raise ValueError(f"up must be on the device of gate ({gate.device}), got {up.device}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
+    return SiluMulFunction.apply(gate, up, spec)
+
+
+def glu_mul(gate, up, activation="silu"):
+    """Fused ``act(gate) * up`` for any halves-layout GLU variant: the
+    activation step of a gated MLP whose projections stay their own modules.
+    ``activation``: a plain form's name (``"silu"``, ``"gelu_tanh"``,
+    ``"gelu"``, ``"relu"``, ``"sigmoid"``, ``"identity"``) or a
+    ``GLUActivation`` (clamped, OAI). Same contract as ``silu_mul``."""
+    return silu_mul(gate, up, activation)

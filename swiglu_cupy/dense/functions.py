@@ -1,0 +1,185 @@
+"""Layer 2: the autograd Functions (GEMMs plus the primitives), apply-only.
+
+Weight layout (xformers' packed ``w12``, Phi-3's ``gate_up_proj``):
+    x   [..., D]
+    w12 [2H, D]   rows 0..H-1 = gate (w1), rows H..2H-1 = up (w2)
+    b12 [2H] or None
+    w3  [O, H]    down projection
+    b3  [O] or None
+    y = (silu(x @ w1.T + b1) * (x @ w2.T + b2)) @ w3.T + b3
+The GLU variant (``activation``, a ``GLUActivation``) replaces silu, adds
+its clamps, and with ``interleaved`` the rows of w12 (and columns of x12)
+alternate gate/up: ``[g0, u0, g1, u1, ...]``.
+
+``SwiGLUFunction`` is only ever called through ``.apply()``: its forward
+always saves the same tensors (x, w12, w3 and x12, never h), whatever
+requires grad, so activation checkpointing in both modes sees identical
+forwards (the bug that broke xformers' fused op). The arguments were
+validated once by the public API (``api.py``); nothing here checks them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .._autograd import LeanApplyFunction, mark_saved_only
+from .._torch_compat import is_transformed
+from ..primitives import ops
+from . import gemm as _gemm
+
+__all__ = ["SwiGLUFunction", "SiluMulFunction"]
+
+
+class SwiGLUFunction(LeanApplyFunction):
+    """Fused SwiGLU: 3 GEMMs forward; backward 4 GEMMs with packed weights
+    (5 with separate gate/up weights: dx takes one per half) + one
+    elementwise pass.
+
+    ``apply(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up,
+    inplace_backward, inference) -> (y, x12)`` (all eleven positional and
+    required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
+    and return ``y``):
+    - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
+      and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
+    - ``activation``: a ``GLUActivation`` (``swiglu_cupy.activations.SILU``
+      for SwiGLU); separate weights take halves-layout specs only.
+    - ``recompute_gate_up``: save only x and recompute x12 in backward (one
+      extra GEMM, D instead of D + 2H saved elements per token).
+    - ``inplace_backward``: write dx12 over the saved x12 (one [M, 2H] buffer
+      less); the graph can then be backpropagated only once.
+    - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
+      Then h is written over the gate half of x12 and the down projection
+      reads that strided view: nothing is allocated besides x12 and y.
+    The second output ``x12`` is returned only so that ``setup_context`` can
+    save it (torch.func requires saved tensors to be inputs or outputs); it is
+    non-differentiable and its content is unspecified after ``inference``.
+    """
+
+    @staticmethod
+    def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference):
+        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference = inputs
+        mark_saved_only(ctx, output[1])
+        if inference:
+            return  # no graph is recorded under no_grad, so nothing can be saved
+        if recompute_gate_up:
+            ctx.save_for_backward(x, w1, b1, w2, b2, w3)
+        else:
+            ctx.save_for_backward(x, w1, w2, w3, output[1])
+        ctx.activation = activation
+        ctx.recompute_gate_up = recompute_gate_up
+        ctx.inplace_backward = inplace_backward
+        ctx.backward_done = False
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dx12_unused):
+        if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
+            return (None,) * 11
+        if ctx.inplace_backward and ctx.backward_done:
+            raise RuntimeError(
+                "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
+                "backward overwrote the saved x12; a second backward (retain_graph=True) "
+                "cannot run. Use inplace_backward=False to backpropagate more than once.")
+        ctx.backward_done = True
+        if ctx.recompute_gate_up:
+            x, w1, b1, w2, b2, w3 = ctx.saved_tensors
+            x2d = x.reshape(-1, x.shape[-1])
+            x12 = _gemm.gate_up(x2d, w1, b1, w2, b2, _gemm.functional(x2d))  # extra GEMM
+        else:
+            x, w1, w2, w3, x12 = ctx.saved_tensors
+            x2d = x.reshape(-1, x.shape[-1])
+        need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = ctx.needs_input_grad[:7]
+        dy2d = dy.reshape(-1, w3.shape[0])
+        dh = torch.mm(dy2d, w3)                                            # GEMM 1
+        # In-place reuse is always safe for the recomputed x12 (nobody else
+        # holds it), but not under torch.func, where dh may carry a vmap batch.
+        inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
+        dx12, h = ops.backward(x12, dh, inplace, ctx.activation)          # one fused pass
+        dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
+        H = dh.shape[1]
+        if need_x:
+            dx = _gemm.input_grad(dx12, w1, w2, x.shape)                   # GEMM 2 (and 3 unpacked)
+        if need_w1 or need_w2:
+            dw12 = torch.mm(dx12.t(), x2d)                                 # GEMM
+            dw1, dw2 = (dw12, None) if w2 is None else (dw12[:H], dw12[H:])
+        if need_b1 or need_b2:
+            db12 = dx12.sum(0)
+            db1, db2 = (db12, None) if w2 is None else (db12[:H], db12[H:])
+        if need_w3:
+            dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
+        if need_b3:
+            db3 = dy2d.sum(0)
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *spec_and_modes):
+        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), spec_and_modes)
+
+
+def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool):
+    """The forward's computation: (y, x12). ``inference`` comes from the
+    caller's grad mode (forward itself runs without grad), never from
+    requires_grad: checkpoint recomputes, which run with grad enabled, always
+    take the saving path. The API calls this directly under no_grad (no
+    graph, so the Function has no job there)."""
+    flat = x.dim() == 2
+    x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
+    h = ops.forward_inplace(x12, activation) if inference else ops.forward(x12, activation)
+    return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
+
+
+def _swiglu_vmap_rule(info, in_dims, tensors, modes):
+    """torch.func.vmap of SwiGLUFunction. A batch of inputs with shared
+    weights folds into the token rows: one call, one launch per kernel. Batched
+    weights (ensembles) run one call per member (the documented slower path)."""
+    x, *weights = tensors
+    x_dim, *weight_dims = in_dims
+    if all(d is None for d in weight_dims):
+        y, x12 = SwiGLUFunction.apply(ops.batch_first(info, x, x_dim), *weights, *modes)
+        return (y, x12.view(info.batch_size, -1, x12.shape[-1])), (0, 0)
+    members = []
+    for i in range(info.batch_size):
+        pick = lambda t, d: t if t is None or d is None else t.select(d, i)  # noqa: E731
+        members.append(SwiGLUFunction.apply(*(pick(t, d) for t, d in zip(tensors, in_dims)), *modes))
+    return tuple(torch.stack(outs) for outs in zip(*members)), (0, 0)
+
+
+class SiluMulFunction(LeanApplyFunction):
+    """``h = act(gate) * up`` (silu for SwiGLU) for two tensors of one shape
+    ``[..., H]``: one fused kernel each way (fp32 math, one rounding). Saves
+    its two inputs only, whatever requires grad. Apply-only, like
+    SwiGLUFunction: ``apply(gate, up, activation)`` with a halves-layout
+    ``GLUActivation``."""
+
+    @staticmethod
+    def forward(gate, up, activation):
+        return ops.silu_mul_forward(_rows(gate), _rows(up), activation).view(gate.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:2])
+        ctx.activation = inputs[2]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dh):
+        gate, up = ctx.saved_tensors
+        dgate, dup = ops.silu_mul_backward(_rows(gate), _rows(up), _rows(dh), ctx.activation)
+        return dgate.view(gate.shape), dup.view(up.shape), None
+
+    @staticmethod
+    def vmap(info, in_dims, gate, up, activation):
+        # Elementwise: give both the batch dim in front; the rows fold into one launch.
+        batched = [ops.batch_first(info, t, d) for t, d in zip((gate, up), in_dims)]
+        return SiluMulFunction.apply(*batched, activation), 0
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., H] -> [M, H] (a view where possible; explicit M keeps H = 0 or M = 0 valid)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])

@@ -1,0 +1,79 @@
+"""The feed-forward's GEMMs (cuBLAS / the CPU BLAS through torch), laid out
+for the fused Function: x12 = [gate | up] as one buffer, the down projection
+into the output's final shape, and dx from the two halves of dx12.
+
+Outside tracing and transforms, outputs are written into preallocated
+buffers (``out=``); tracers and torch.func get out=-free ops (``functional``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._torch_compat import is_transformed
+
+
+def functional(t: torch.Tensor) -> bool:
+    """Use out=-free ops: a tracer (torch.compile / torch.export / ONNX) records
+    this call, or ``t`` carries a torch.func transform (out= buffers cannot
+    hold a vmap batch)."""
+    return torch.compiler.is_compiling() or is_transformed(t)
+
+
+def linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """inp @ weight.T (+ bias), with the bias folded into the GEMM (addmm)."""
+    if out is None:
+        return F.linear(inp, weight, bias)  # addmm, with the transpose done in C++
+    if bias is None:
+        return torch.mm(inp, weight.t(), out=out)
+    return torch.addmm(bias, inp, weight.t(), out=out)
+
+
+def gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, is_functional: bool) -> torch.Tensor:
+    """x12 = [gate | up] as one [M, 2H] tensor. Packed weights (``w2 is None``:
+    ``w1`` is w12) take one GEMM; separate ones write their halves of one
+    buffer, so no weight is ever concatenated."""
+    if w2 is None:
+        return linear_2d(x2d, w1, b1)
+    if is_functional:
+        return torch.cat([linear_2d(x2d, w1, b1), linear_2d(x2d, w2, b2)], dim=1)
+    H = w1.shape[0]
+    x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
+    linear_2d(x2d, w1, b1, out=x12[:, :H])
+    linear_2d(x2d, w2, b2, out=x12[:, H:])
+    return x12
+
+
+def down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, is_functional: bool) -> torch.Tensor:
+    """y = h @ w3.T + b3 in ``out_shape`` (None: 2-D x, y is the GEMM's own
+    output), allocated in that shape (not a view, which FSDP2 warns about)
+    outside tracing."""
+    if out_shape is None:
+        return linear_2d(h, w3, b3)
+    if is_functional:
+        return linear_2d(h, w3, b3).view(out_shape)
+    y = torch.empty(out_shape, dtype=h.dtype, device=h.device)
+    linear_2d(h, w3, b3, out=y.view(-1, w3.shape[0]))
+    return y
+
+
+def input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
+    """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation,
+    except in 16-bit dtypes: there the sum of two GEMMs rounds dx twice, so one
+    GEMM reads a transient [w1; w2] and dx is rounded once, as with packed weights)."""
+    D = w1.shape[1]
+    H = dx12.shape[1] // 2
+    if w2 is not None and dx12.dtype in (torch.float16, torch.bfloat16):
+        w1, w2 = torch.cat([w1, w2]), None
+    if functional(dx12):
+        dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
+        return dx.view(x_shape)
+    dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
+    dx2d = dx.view(-1, D)
+    if w2 is None:
+        torch.mm(dx12, w1, out=dx2d)
+    else:
+        torch.mm(dx12[:, :H], w1, out=dx2d)
+        dx2d.addmm_(dx12[:, H:], w2)
+    return dx

@@ -1,0 +1,108 @@
+"""What a patched module's forward computes for a :class:`GLUPlan`: the whole
+MLP in the fused op when the projections are plain ``nn.Linear`` and nothing
+runs between the product and ``down``, else the children as themselves
+around the fused ``act(gate) * up`` (:func:`run_plan`); with ``fused=False``
+the same in plain torch ops, what the probe compares with."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .._torch_compat import global_module_hooks_active
+from ..dense.api import glu_mul, swiglu, swiglu_unpacked
+from ..dense.module import _registered
+from ..reference import glu_reference
+from .recognition import GLUPlan
+
+__all__ = ["run_plan", "fusion_of", "linear_obstacle"]
+
+
+def linear_obstacle(m: nn.Module) -> str | None:
+    """Why calling ``m`` is not exactly ``F.linear(x, m.weight, m.bias)``, or
+    None: ``m`` is an ``nn.Linear`` (or a subclass that keeps its forward, as
+    torchtitan's ``Linear``) with no hooks (torch's parallel styles, PEFT,
+    offloading) and no forward replaced on the instance (Hugging Face's
+    tensor-parallel styles, accelerate's hooks)."""
+    if not isinstance(m, nn.Linear):
+        return f"{type(m).__name__} is not an nn.Linear (LoRA, quantized?)"
+    if type(m).forward is not nn.Linear.forward:
+        return f"{type(m).__name__} overrides nn.Linear.forward"
+    if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
+        return f"{type(m).__name__} has hooks"
+    if "forward" in m.__dict__:
+        return f"{type(m).__name__} has its forward replaced on the instance"
+    return None
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    return linear_obstacle(m) is None
+
+
+def _is_noop(m: nn.Module) -> bool:
+    """A child between the product and ``down`` that does nothing now."""
+    if isinstance(m, nn.Identity):
+        return True
+    return isinstance(m, nn.modules.dropout._DropoutNd) and (m.p == 0 or not m.training)
+
+
+def _params(lin: nn.Module):
+    return _registered(lin, "_parameters", "weight"), _registered(lin, "_parameters", "bias")
+
+
+def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool):
+    """The whole MLP in the fused op, the weights used in place (views)."""
+    wd, bd = _params(mods[plan.down])
+    modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    if plan.packed is None:
+        (wg, bg), (wu, bu) = _params(mods[plan.gate]), _params(mods[plan.up])
+        return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation, **modes)
+    w, b = _params(mods[plan.packed])
+    if plan.order in ("gate_first", "interleaved"):
+        return swiglu(x, w, b, wd, bd, activation=plan.packed_activation, **modes)
+    h = w.shape[0] // 2  # gate last: the row halves as views, up first in storage
+    return swiglu_unpacked(x, w[h:], None if b is None else b[h:], w[:h], None if b is None else b[:h],
+                           wd, bd, activation=plan.activation, **modes)
+
+
+def _split(y: torch.Tensor, order: str):
+    """(gate, up) views of a packed projection's output."""
+    if order == "interleaved":
+        return y[..., 0::2], y[..., 1::2]
+    first, second = y.chunk(2, dim=-1)
+    return (first, second) if order == "gate_first" else (second, first)
+
+
+def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
+    """``"mlp"``, ``"activation"`` or None: what ``run_plan`` runs now."""
+    if plan is None:
+        return None
+    mods = module._modules
+    lins = [mods[n] for n in (plan.packed, plan.down) if n] if plan.packed else \
+        [mods[plan.gate], mods[plan.up], mods[plan.down]]
+    whole = (all(_plain_linear(m) for m in lins) and all(_is_noop(mods[n]) for n in plan.mid)
+             and not global_module_hooks_active())  # global hooks must see each projection's call
+    return "mlp" if whole else "activation"
+
+
+def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_up: bool = False,
+             inplace_backward: bool = False, fused: bool = True) -> torch.Tensor:
+    """``module``'s GLU feed-forward as ``plan`` says: the whole MLP fused when
+    the projections are plain ``nn.Linear`` and nothing runs between the
+    product and ``down``; else the children run as themselves and only
+    ``act(gate) * up`` is fused. ``fused=False``: plain torch ops
+    (:func:`~swiglu_cupy.glu_reference`), what the probe compares with."""
+    mods = module._modules  # decoding calls this once per token: no nn.Module.__getattr__
+    if fused and fusion_of(module, plan) == "mlp":
+        out = _whole_mlp(x, plan, mods, recompute_gate_up, inplace_backward)
+    else:
+        if plan.packed is not None:
+            gate, up = _split(mods[plan.packed](x), plan.order)
+        else:
+            gate, up = mods[plan.gate](x), mods[plan.up](x)
+        h = glu_mul(gate, up, plan.activation) if fused else glu_reference(gate, up, plan.activation)
+        for name in plan.mid:
+            h = mods[name](h)
+        out = mods[plan.down](h)
+    for name in plan.post:
+        out = mods[name](out)
+    return out

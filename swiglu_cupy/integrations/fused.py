@@ -1,0 +1,189 @@
+"""The fused forward a patched module runs, and the class machinery that
+installs it: a patched module becomes an instance of ``Fused<its class>``, a
+subclass with :class:`FusedGLUMLP`'s forward in front, whose per-instance
+:class:`~swiglu_cupy.integrations.recognition.GLUPlan` says which children
+hold the gate, the up and the down projection."""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import warnings
+
+import torch
+from torch import nn
+
+from ..activations import GLUActivation
+from .forward import fusion_of, run_plan
+from .probe import choose_plan
+from .recognition import Candidates, GLUPlan, hf_candidates
+
+__all__ = ["FusedGLUMLP", "fused_class", "install", "install_pending", "CLASS_FORMS"]
+
+class FusedGLUMLP(nn.Module):
+    """The fused forward, mixed in front of a module's own class.
+
+    ``Fused<cls>(FusedGLUMLP, cls)`` is built once per class; :func:`patch`
+    (or ``hf.patch_model``) switches a built instance to it, ``hf.apply_to``
+    makes the model build it. Instance attributes:
+
+    - ``swiglu_plan``: its :class:`GLUPlan`, or None (the original forward runs);
+    - ``swiglu_pending``: patched on the meta device, where nothing can be
+      computed: the candidate plans, chosen (or all refused) by the probe at
+      the first forward on real weights, before anything runs fused (or by
+      patching again); None once decided;
+    - ``recompute_gate_up``, ``inplace_backward``: the memory modes of the fused
+      op (see :class:`swiglu_cupy.SwiGLUFunction`), settable at any time.
+
+    Pickling (``torch.save(model)``), ``copy.deepcopy`` and ``model.to(...)``
+    work; a pickle names the original class, so it loads wherever that class
+    imports.
+    """
+    swiglu_plan: GLUPlan | None = None
+    swiglu_family: str = "hf"  # how the walk found it (built by an apply_to class: Hugging Face names)
+    swiglu_pending: Candidates | None = None
+    recompute_gate_up: bool = False
+    inplace_backward: bool = False
+    _swiglu_base: type = nn.Module
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Built by a class patched with hf.apply_to: the class's form was
+        # verified there; the activation depends on this instance's config.
+        self.swiglu_plan = _plan_of_built_instance(self)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.swiglu_pending is not None:
+            resolve_pending(self)
+        plan = self.swiglu_plan
+        if plan is None or args or kwargs:
+            return super().forward(x, *args, **kwargs)
+        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward)
+
+    @property
+    def swiglu_activation(self) -> GLUActivation | None:
+        return None if self.swiglu_plan is None else self.swiglu_plan.activation
+
+    def fusion(self) -> str | None:
+        """What the next forward runs: ``"mlp"`` (the whole MLP fused),
+        ``"activation"`` (the projections as their own modules, ``act(gate) * up``
+        fused) or None (the original forward)."""
+        return fusion_of(self, self.swiglu_plan)
+
+    def __reduce_ex__(self, protocol):
+        base = self._swiglu_base
+        return _rebuild, (base.__module__, base.__qualname__), self.__dict__.copy()
+
+
+def _resolve(module_name: str, qualname: str):
+    obj = importlib.import_module(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rebuild(module_name: str, qualname: str) -> FusedGLUMLP:
+    """Unpickling: an empty instance of the fused class of the named original
+    class (which apply_to may have replaced by its fused class meanwhile)."""
+    return object.__new__(fused_class(_resolve(module_name, qualname)))
+
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def fused_class(cls: type) -> type:
+    """``Fused<cls>``: FusedGLUMLP's forward in front of ``cls``, one per class."""
+    if issubclass(cls, FusedGLUMLP):
+        return cls
+    fused = _FUSED_CLASSES.get(cls)
+    if fused is None:
+        fused = type(f"Fused{cls.__name__}", (FusedGLUMLP, cls),
+                     {"__module__": __name__, "_swiglu_base": cls,
+                      "__doc__": f"{cls.__name__} with swiglu_cupy's fused forward (see FusedGLUMLP)."})
+        _FUSED_CLASSES[cls] = fused
+    return fused
+
+
+def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, inplace_backward: bool,
+            family: str = "hf") -> None:
+    """Switch ``module`` to its fused class, running ``plan``. ``family``: the
+    walk's name for how it was found (``"hf"`` names or ``"generic"``)."""
+    module.__class__ = fused_class(type(module))
+    module.swiglu_plan = plan
+    module.swiglu_pending = None
+    module.swiglu_family = family
+    module.recompute_gate_up, module.inplace_backward = recompute_gate_up, inplace_backward
+
+
+def on_meta(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+def install_pending(module: nn.Module, cands: Candidates, recompute_gate_up: bool, inplace_backward: bool,
+                    family: str) -> None:
+    """Switch a module on the meta device to its fused class, undecided: it
+    runs its original forward until :func:`resolve_pending` (at its first
+    forward on real weights) lets the probe choose among ``cands``."""
+    install(module, None, recompute_gate_up, inplace_backward, family)
+    module.swiglu_pending = cands
+
+
+def _own_forward(module: FusedGLUMLP):
+    """The module's original forward (what the probe compares with)."""
+    return functools.partial(module._swiglu_base.forward, module)
+
+
+_resolve_untraced = None
+
+
+def resolve_pending(module: FusedGLUMLP) -> str | None:
+    """:func:`_resolve_pending`, never traced (torch.compile runs it eagerly:
+    one graph break at the first call). Wrapped at the first call, since
+    ``torch.compiler.disable`` imports torch._dynamo (and FSDP with it)."""
+    global _resolve_untraced
+    if _resolve_untraced is None:
+        _resolve_untraced = torch.compiler.disable(_resolve_pending)
+    return _resolve_untraced(module)
+
+
+def _resolve_pending(module: FusedGLUMLP) -> str | None:
+    """Decide a module patched on the meta device, once its weights are real:
+    the probe picks the plan (or refuses them all: then the original forward
+    runs from now on, after one warning naming why; ``SWIGLU_CUPY_STRICT=1``
+    makes that an error). Returns the refusal's reason, or None. On meta
+    still (a shape-only forward): nothing is decided yet."""
+    cands = module.swiglu_pending
+    if cands is None or on_meta(module):
+        return None
+    module.swiglu_pending = None
+    plan, reason = choose_plan(module, cands, True, (module.recompute_gate_up, module.inplace_backward),
+                               own_forward=_own_forward(module))
+    module.swiglu_plan = plan
+    if plan is None:
+        message = (f"swiglu_cupy: a {module._swiglu_base.__name__} patched on the meta device was checked at its "
+                   f"first forward and runs its original forward: {reason}")
+        if os.environ.get("SWIGLU_CUPY_STRICT", "") not in ("", "0"):
+            raise RuntimeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return reason
+
+
+# ---- classes verified as a whole (hf.apply_to) ----------------------------------------------
+
+#: ``{original class: (layout, clamped)}`` for each class whose forward
+#: ``hf.apply_to`` verified: ``"separate"`` (gate_proj/up_proj) or
+#: ``"packed"`` (gate_up_proj, gate rows first), and whether it clamps by
+#: ``self.limit`` (DeepSeek-V4); None where no form matched.
+CLASS_FORMS: dict[type, tuple[str, bool] | None] = {}
+
+
+def _plan_of_built_instance(module: nn.Module) -> GLUPlan | None:
+    """The plan of an MLP built by a verified class: the class's form, the
+    activation this instance's config chose (by value; an unknown one: None,
+    the original forward)."""
+    form = CLASS_FORMS.get(module._swiglu_base)
+    cands = hf_candidates(module, extra_children_ok=False) if form is not None else None
+    if cands is None or cands.reason is not None:
+        return None
+    clamped = form[1]
+    return next((p for p in cands.plans if (p.activation.limit is not None) == clamped), None)

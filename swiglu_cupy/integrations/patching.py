@@ -1,0 +1,260 @@
+"""``patch(model)``: every GLU feed-forward of a model runs the fused op, found by
+structure and decided by a probe, with a report of what was done and why.
+
+    report = swiglu_cupy.patch(model)
+    print(report)
+
+One walk (:func:`walk`) for every family; the narrow entries are filters over
+it. A patched module stays an instance of its own
+class: it is switched in place to ``Fused<its class>``, a subclass with
+:class:`FusedGLUMLP`'s forward in front (``isinstance`` still holds), and keeps
+its children and parameters (state_dict keys unchanged; a packed
+``gate_up_proj``/``w12``/``fc1`` is used in place, no copy). What the forward
+runs is a per-instance :class:`GLUPlan`: which children hold the gate, the up
+(or the packed pair and its order), the down projection, the
+:class:`~swiglu_cupy.activations.GLUActivation`, and the children between
+the product and ``down`` (dropout, norm) or after it.
+
+Plans come from structure (two or three linear-like children of matching
+shapes, an optional activation child recognised by its values), and the probe
+decides: the module's own forward and the candidate plan must agree on a probe
+input (including rows large enough to hit a clamp), or the module is left alone
+with a reason. Where a module's attribute names state the roles
+(``gate_proj``/``up_proj``/``down_proj``, ``gate_up_proj``: Hugging Face) the
+names are trusted and the probe only verifies them, so a swapped gate order is
+caught; elsewhere (``w1``/``w3``/``w2``, ``fc1_g``/``fc1_x``/``fc2``, a packed
+``fc1`` with the gate first or last) the probe picks the roles, the order and
+the activation among the known kinds. Unknown activations are never
+approximated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+from torch import nn
+
+from .._torch_compat import global_module_hooks_active
+from .._validation import check_flags
+from ..dense.module import SwiGLU
+from .forward import _is_noop, linear_obstacle
+from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
+from .probe import choose_plan
+from .recognition import GLUPlan, generic_candidates, hf_candidates
+from .torchtitan import is_torchtitan_experts, patch_torchtitan_experts, torchtitan_base, torchtitan_experts_skip_reason
+from .xformers_ops import is_xformers_swiglu, patch_xformers_module
+
+__all__ = ["patch", "PatchReport", "walk", "FAMILIES"]
+
+# ---- the report ------------------------------------------------------------------------------
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did. ``fused``: path -> what runs fully fused;
+    ``partial``: path -> why only ``act(gate) * up`` is fused (the projections
+    run as themselves); ``skipped``: path -> why a module that looked like a GLU
+    feed-forward was left alone. ``experts``: Hugging Face MoE experts modules
+    switched to the fused implementation. ``classes``: path -> class name.
+    The root module's path is ``""``, shown as ``<model>``."""
+    fused: dict[str, str] = dataclasses.field(default_factory=dict)
+    partial: dict[str, str] = dataclasses.field(default_factory=dict)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
+    experts: int = 0
+    classes: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: path -> what is left to decide: modules patched on the meta device,
+    #: whose probe runs at their first forward on real weights (or when
+    #: ``patch`` is called again after the weights are materialised).
+    pending: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Paths among ``fused``/``partial`` that were fused before this call.
+    already: list[str] = dataclasses.field(default_factory=list)
+
+    def __len__(self) -> int:
+        """Modules whose forward now runs fused code (whole or activation), or
+        will once the probe confirms them (``pending``)."""
+        return len(self.fused) + len(self.partial) + len(self.pending) + self.experts
+
+    def __str__(self) -> str:
+        head = (f"swiglu_cupy.patch: {len(self.fused)} fused, {len(self.partial)} activation only, "
+                f"{len(self.skipped)} skipped" + (f", {len(self.pending)} pending" if self.pending else "")
+                + (f", {self.experts} MoE experts" if self.experts else ""))
+        rows = [(p, self.classes.get(p, ""), status, text)
+                for status, table in (("fused", self.fused), ("activation", self.partial),
+                                      ("pending", self.pending), ("skipped", self.skipped))
+                for p, text in table.items()]
+        if not rows:
+            return head + "\n  (no GLU feed-forward found)"
+        rows = [(p or "<model>", c, s, t) for p, c, s, t in rows]
+        widths = [max(len(r[i]) for r in rows + [("path", "class", "status", "")]) for i in range(3)]
+        lines = [head, "  " + "  ".join(h.ljust(w) for h, w in zip(("path", "class", "status"), widths)) + "  detail"]
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r[:3], widths)) + "  " + r[3] for r in rows]
+        return "\n".join(lines)
+
+
+def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
+    mods = module._modules
+    why = []
+    projections = [n for n in (plan.packed, plan.gate, plan.up, plan.down) if n]
+    odd = [(n, linear_obstacle(mods[n])) for n in projections if linear_obstacle(mods[n]) is not None]
+    if odd:
+        why.append(f"{'/'.join(n for n, _ in odd)} run as themselves: " + "; ".join(
+            dict.fromkeys(reason for _, reason in odd)))
+    for n in plan.mid:
+        m = mods[n]
+        if not _is_noop(m):
+            what = f"{type(m).__name__} p={m.p:g} in training" if isinstance(m, nn.modules.dropout._DropoutNd) \
+                else type(m).__name__
+            why.append(f"{n} ({what}) between the product and {plan.down} runs as itself")
+    if not why and global_module_hooks_active():
+        why.append("global module hooks are registered")
+    return f"{plan.activation}; " + "; ".join(why)
+
+
+def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -> None:
+    plan = module.swiglu_plan
+    report.classes[path] = module._swiglu_base.__name__
+    if module.fusion() == "mlp":
+        report.fused[path] = f"{plan.activation}: {plan.describe()}{note}"
+    else:
+        report.partial[path] = _partial_reason(module, plan) + note
+
+
+def _record_pending(report: PatchReport, path: str, module: nn.Module) -> None:
+    cands = module.swiglu_pending
+    report.classes[path] = module._swiglu_base.__name__
+    kinds = "; ".join(dict.fromkeys(str(p.activation) for p in cands.plans))
+    report.pending[path] = (f"on the meta device: the probe picks among {len(cands.plans)} plan(s) ({kinds}) "
+                            "at its first forward on real weights (or at patch() again)")
+
+
+def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False) -> int:
+    """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
+    experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
+    if "transformers.integrations.moe" not in sys.modules:
+        return 0  # no experts class was ever defined in this process: none can be in the model
+    from . import hf_experts
+
+    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up)
+
+
+#: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
+#: under any other names, xformers' SwiGLU, Hugging Face MoE experts,
+#: torchtitan's MoE ``GroupedExperts``. The
+#: narrow entries (``hf.patch_model``, ``xformers.patch_xformers``) are
+#: :func:`walk` over some of them: the same candidates, probe and result.
+FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
+
+
+def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
+         inplace_backward: bool = False) -> PatchReport:
+    """The one walk over ``model`` (itself included): each module is looked at
+    once, outermost first; a module that is handled (fused, skipped with a
+    reason, or left out by ``families``) is not searched inside."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_flags(verify=verify, recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    unknown = set(families) - FAMILIES
+    if unknown:
+        raise ValueError(f"families must be a subset of {sorted(FAMILIES)}, got {sorted(unknown)}")
+    report, done = PatchReport(), []
+    for path, module in model.named_modules(remove_duplicate=True):
+        if any(path.startswith(p + ".") or p == "" for p in done):
+            continue  # inside a module already handled: its projections
+        if isinstance(module, SwiGLU):
+            done.append(path)
+            continue
+        if isinstance(module, FusedGLUMLP):
+            done.append(path)
+            if module.swiglu_family not in families:
+                continue
+            pending = module.swiglu_pending is not None
+            refused = resolve_pending(module) if pending else None
+            if refused is not None:
+                report.classes[path] = module._swiglu_base.__name__
+                report.skipped[path] = f"patched on the meta device, then refused by the probe: {refused}"
+            elif module.swiglu_pending is not None:
+                _record_pending(report, path, module)
+            elif module.swiglu_plan is not None:
+                _record(report, path, module, " (decided now: patched on the meta device)" if pending
+                        else " (already fused)")
+                report.already.append(path)
+            continue
+        if is_xformers_swiglu(module):
+            done.append(path)
+            if "xformers" in families:
+                report.classes[path] = type(module).__name__
+                report.fused[path] = patch_xformers_module(module)
+            continue
+        experts_note = patch_torchtitan_experts(module, recompute_gate_up) if "torchtitan" in families else None
+        experts_skip = None if experts_note is not None else torchtitan_experts_skip_reason(module)
+        if experts_note is not None or experts_skip is not None or is_torchtitan_experts(module):
+            done.append(path)
+            if "torchtitan" in families:
+                report.classes[path] = torchtitan_base(module).__name__
+                if experts_note is not None:
+                    report.fused[path] = experts_note
+                else:
+                    report.skipped[path] = experts_skip
+            continue
+        cands = hf_candidates(module)
+        family = "hf"
+        if cands is None:
+            cands, family = generic_candidates(module), "generic"
+        if cands is None:
+            continue
+        done.append(path)
+        if family not in families:
+            continue
+        report.classes[path] = type(module).__name__
+        if cands.reason is not None:
+            report.skipped[path] = cands.reason
+            continue
+        if verify and on_meta(module):
+            install_pending(module, cands, recompute_gate_up, inplace_backward, family)
+            _record_pending(report, path, module)
+            continue
+        plan, reason = choose_plan(module, cands, verify, (recompute_gate_up, inplace_backward))
+        if plan is None:
+            report.skipped[path] = reason
+            if family == "generic":
+                done.pop()  # shaped like one by accident (a Sequential of blocks?): look inside
+            continue
+        install(module, plan, recompute_gate_up, inplace_backward, family)
+        _record(report, path, module)
+    if "experts" in families:
+        report.experts = patch_hf_experts(model, recompute_gate_up)
+    return report
+
+
+def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recompute_gate_up: bool = False,
+          inplace_backward: bool = False) -> PatchReport:
+    """Fuse every GLU feed-forward in ``model`` (the model itself included), in
+    place, and return a :class:`PatchReport`.
+
+    It walks the model once and finds, by structure: Hugging Face MLPs
+    (``gate_proj``/``up_proj``/``down_proj`` or a packed ``gate_up_proj``,
+    with any known activation and a stated clamp ``limit``), xformers'
+    ``SwiGLU`` (given swiglu_cupy's op), packed-``w12`` modules (DINOv2),
+    timm's ``GluMlp`` (either gate order), ``SwiGLU`` and ``SwiGLUPacked``,
+    three-projection modules under any names (torchtitan's ``w1``/``w3``/
+    ``w2``), torchtitan's MoE ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
+    fused ``w13``; decided from the class, also on meta) and Hugging Face MoE
+    experts. On the meta device, where nothing can be computed, modules are
+    switched undecided (``report.pending``) and the probe decides at their
+    first forward on real weights. A module is patched only if its own
+    forward agrees with the fused one on a probe input (``verify=False``
+    trusts Hugging Face names without probing). Fused modules keep their
+    children and parameters: state_dict keys and checkpoints stay those of the
+    unpatched model. Patching again changes nothing; already fused modules are
+    reported again as such. ``recompute_gate_up``/``inplace_backward`` select
+    the memory modes. ``strict=True`` raises ``ValueError`` if nothing is fused.
+    """
+    check_flags(strict=strict)
+    report = walk(model, FAMILIES, verify=verify, recompute_gate_up=recompute_gate_up,
+                  inplace_backward=inplace_backward)
+    if strict and not len(report):
+        detail = "".join(f"\n  {p or '<model>'}: {r}" for p, r in list(report.skipped.items())[:8])
+        raise ValueError(f"patch(strict=True): nothing fused in {type(model).__name__}: no GLU feed-forward "
+                         "(gate/up/down projections, packed or not, with a known activation) whose forward "
+                         "the probe could confirm." + (" Left alone:" + detail if detail else ""))
+    return report

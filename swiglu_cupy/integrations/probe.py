@@ -1,0 +1,126 @@
+"""The probe that decides: a module's own forward and a candidate plan must
+agree on a probe input (rows large enough to cross any clamp included), or
+the module is left alone with a reason (:func:`choose_plan`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .._dtypes import SUPPORTED_DTYPES
+from .forward import run_plan
+from .recognition import Candidates, GLUPlan, rows_agree
+
+__all__ = ["choose_plan"]
+
+# Without a stated limit, the probe's large rows reach this far, so a clamp
+# written into a forward below it shows up as a mismatch.
+_HIDDEN_CLAMP_REACH = 32.0
+
+# ---- the probe -------------------------------------------------------------------------------
+
+def _device_dtype(module: nn.Module, first: nn.Module):
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    dtype = next((p.dtype for p in first.parameters() if p.dtype in SUPPORTED_DTYPES), torch.get_default_dtype())
+    return device, dtype
+
+
+class _Probe:
+    """One module's probe: the input, and its own forward's output on it."""
+
+    def __init__(self, module: nn.Module, cands: Candidates, own_forward):
+        plan = cands.plans[0]
+        first = module._modules[plan.packed or plan.gate]
+        self.module, self.device, self.dtype = module, *_device_dtype(module, first)
+        gen = torch.Generator(device="cpu").manual_seed(1234)
+        x = torch.randn(4, cands.in_features, generator=gen, dtype=torch.float32, device="cpu")
+        x = x.to(self.device, self.dtype)
+        # Two more rows, scaled so that the projections reach past any clamp
+        # (the stated limit, or _HIDDEN_CLAMP_REACH).
+        limit = max((p.activation.limit or 0.0) for p in cands.plans) or _HIDDEN_CLAMP_REACH / 4
+        try:
+            with torch.no_grad():
+                reach = max(module._modules[n](x).abs().max().item() for n in (plan.packed, plan.gate, plan.up) if n)
+        except Exception:
+            reach = 0.0  # the forward's own failure is reported below
+        scale = max(1.0, 4.0 * limit / reach) if reach > 0 and math.isfinite(reach) else 1.0
+        self.x = torch.cat([x, x[:2] * scale])
+        self.own_forward = own_forward
+        self.expected = self.run(own_forward)
+
+    def run(self, fn, training=False, seed=None):
+        training_was = self.module.training
+        self.module.train(training)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(0 if seed is None else seed)
+                return fn(self.x)
+        except Exception:
+            return None
+        finally:
+            self.module.train(training_was)
+
+    def matches(self, fn) -> bool:
+        expected = self.expected
+        if expected is None:
+            return False
+        actual = self.run(fn)
+        if not isinstance(expected, torch.Tensor) or not isinstance(actual, torch.Tensor):
+            return False
+        if not torch.isfinite(expected[4:]).all():
+            # The scaled rows overflowed the module's dtype: compare the others.
+            expected, actual = expected[:4], actual[:4]
+        return rows_agree(expected, actual, self.dtype)
+
+    def dropout_placement_matches(self, plan: GLUPlan, fn) -> bool:
+        """In training mode with the same RNG state, dropout masks are drawn in
+        the same order and shapes only if the plan puts each dropout where the
+        module's forward applies it."""
+        mods = self.module._modules
+        if not any(isinstance(mods[n], nn.modules.dropout._DropoutNd) and mods[n].p > 0
+                   for n in (*plan.mid, *plan.post)):
+            return True
+        expected = self.run(self.own_forward, training=True, seed=7)
+        actual = self.run(fn, training=True, seed=7)
+        if expected is None or actual is None:
+            return False
+        return rows_agree(expected[:4], actual[:4], self.dtype)
+
+
+def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple[bool, bool], own_forward=None):
+    """``(plan, None)`` or ``(None, reason)``: the first candidate the module's
+    own forward (``own_forward``, default ``module.forward``) agrees with,
+    checked again through the fused op itself. ``verify=False`` trusts an
+    unambiguous structure stated by Hugging Face names without probing."""
+    if "forward" in module.__dict__:
+        return None, "its forward is replaced on the instance (accelerate hooks?), which would bypass the fusion"
+    if not verify:
+        if cands.named and len({(p.activation.kind, p.activation.alpha) for p in cands.plans}) == 1:
+            return cands.plans[0], None
+        return None, "verify=False, and the roles or activation are not stated by the names"
+    if any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers())):
+        return None, "on the meta device: nothing to probe with"
+    if cands.in_features is None:
+        return None, "could not be probed: the input width of its projections is unknown"
+    probe = _Probe(module, cands, own_forward or module.forward)
+    if probe.expected is None:
+        return None, "could not be probed: its forward failed on a probe input"
+    for plan in cands.plans:
+        def reference(x, plan=plan):
+            return run_plan(module, x, plan, fused=False)
+        if not probe.matches(reference):
+            continue
+        def fused(x, plan=plan):
+            return run_plan(module, x, plan, *modes)
+        if not probe.matches(fused):
+            return None, f"the fused op disagrees with its forward ({plan.activation}, {probe.dtype})"
+        if not probe.dropout_placement_matches(plan, fused):
+            return None, "dropout placement differs from its forward in training mode"
+        return plan, None
+    kinds = sorted({str(p.activation) for p in cands.plans})
+    roles = cands.plans[0].describe().split(" -> ")[0]
+    return None, (f"probe mismatch: its forward is not down(act(gate) * up) with the roles its names "
+                  f"state ({roles}) and {', '.join(kinds)}" if cands.named else
+                  f"probe mismatch: no role assignment and known activation reproduces its forward")

@@ -1,0 +1,327 @@
+"""torchtitan integration: its FeedForward and MoE GroupedExperts on swiglu_cupy's ops.
+
+Two ways in, for torchtitan's real model classes (checked against torchtitan 0.3.0):
+
+* ``swiglu_cupy.patch(model)`` on a built model: the core walk fuses every
+  ``FeedForward`` (``w1`` gate, ``w3`` up, ``w2`` down: torchtitan ``Linear``\\ s)
+  and calls :func:`patch_torchtitan_experts` for every ``GroupedExperts``.
+* The model-transform extension point, as torchtitan's quantization and LoRA
+  converters do: a :class:`SwiGLUCupyConverter` (a
+  ``torchtitan.protocols.model.ModelConfigConverter``) in the model spec's
+  ``converters`` replaces the ``FeedForward`` / ``GroupedExperts`` /
+  ``FusedGroupedExperts`` configs by configs of subclasses whose forward runs
+  swiglu_cupy, before the model is built (on meta or anywhere)::
+
+      from swiglu_cupy.integrations.torchtitan import SwiGLUCupyConverter
+      spec = model_registry("debugmodel", converters=[SwiGLUCupyConverter.Config()])
+
+  The built modules are instances of their torchtitan classes (subclasses),
+  so ``verify_module_protocol``, ``init_states``, ``to_empty``, state_dict
+  keys and torchtitan's parallelize/AC code see what they expect.
+
+GroupedExperts keep torchtitan's numerics contract: operands cast to bf16
+(as torchtitan's forward does, whatever the parameter dtype), output cast
+back with ``type_as(x)``; the router scores stay where torchtitan applies
+them (the token dispatcher's ``combine``, after the experts), so the experts
+op runs with ``routing_weights=None``. The separate ``w1_EFD``/``w3_EFD``
+layout is packed per call into ``w12 [E, 2F, D]`` (one ``torch.cat`` of the
+bf16 casts: a copy of 2·E·F·D elements per forward, and its backward splits
+the gradient); the fused ``w13 [E, F, 2, D]`` layout is a view (interleaved
+gate/up), no copy. The entry that would remove the copy: see
+``UNPACKED_EXPERTS_ENTRY_NEEDED``.
+
+This module imports torchtitan only when asked for the converter (the
+``SwiGLUCupyConverter`` attribute) or for a fused class: the core walk can
+call :func:`patch_torchtitan_experts` on any module at no cost when
+torchtitan was never imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+from torch import nn
+
+from ..activations import GLUActivation
+from ..dense.api import glu_mul, swiglu_unpacked
+from ..moe.grouped import grouped_experts
+from .forward import linear_obstacle
+
+__all__ = ["patch_torchtitan_experts", "torchtitan_experts_skip_reason", "fused_torchtitan_class",
+           "is_torchtitan_experts", "torchtitan_base",
+           "SwiGLUCupyConverter", "UNPACKED_EXPERTS_ENTRY_NEEDED"]
+
+#: What swiglu_cupy.moe would need so the separate w1_EFD/w3_EFD layout runs
+#: without packing the weights on every call.
+UNPACKED_EXPERTS_ENTRY_NEEDED = (
+    "swiglu_cupy.moe.grouped_experts_unpacked(x_sorted [S, D], offsets [E] int32, "
+    "w_gate [E, F, D], w_up [E, F, D], w_down [E, D, F], b_gate=None, b_up=None, b_down=None, *, "
+    "routing_weights=None, activation='silu', recompute_gate_up=False) -> [S, D]: the same apply-only "
+    "Function as grouped_experts, whose forward runs the gate and the up grouped GEMMs into the two "
+    "halves of one x12 [S, 2F] buffer (as swiglu_unpacked does for the dense op) and whose backward "
+    "returns dW_gate = dgate^T x and dW_up = dup^T x per expert from the two halves of dx12, and "
+    "dx = dgate W_gate + dup W_up; saved tensors unchanged (x_sorted, x12, offsets).")
+
+_SILU = GLUActivation("silu")
+_SILU_INTERLEAVED = GLUActivation("silu", interleaved=True)
+_MOE = "torchtitan.models.common.moe"
+_FUSED_OVERRIDES = "torchtitan.overrides.fused_swiglu"
+_FF = "torchtitan.models.common.feed_forward"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local shard (torchtitan's experts do the same under EP)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """An nn.Linear (torchtitan's ``Linear`` included) whose call is exactly
+    ``nn.Linear.forward`` on plain (not DTensor) weights."""
+    return linear_obstacle(m) is None and not _is_dtensor(m.weight)
+
+
+# ---- the fused forwards ----------------------------------------------------------------------
+
+def _experts_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``GroupedExperts.forward`` contract on ``swiglu_cupy.moe.grouped_experts``."""
+    offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
+    w2_EDF = _local(self.w2_EDF).bfloat16()
+    if "w13" in self._parameters:
+        w13 = _local(self.w13)
+        E, F, _, D = w13.shape
+        w12 = w13.bfloat16().reshape(E, 2 * F, D)  # rows g0, u0, g1, u1, ...: a view
+        activation = _SILU_INTERLEAVED
+    else:
+        w12 = torch.cat([_local(self.w1_EFD).bfloat16(), _local(self.w3_EFD).bfloat16()], dim=1)
+        activation = _SILU
+    y = grouped_experts(x_RD.bfloat16(), offsets_E, w12, w2_EDF, activation=activation,
+                        recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False))
+    return y.type_as(x_RD)
+
+
+def _feed_forward_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``FeedForward.forward``, ``w2(silu(w1 x) * w3 x)``, fused:
+    the whole MLP when the three projections are plain linears, else the
+    activation only (LoRA, float8 or hooked projections run as themselves)."""
+    w1, w2, w3 = self.w1, self.w2, self.w3
+    if _plain_linear(w1) and _plain_linear(w2) and _plain_linear(w3):
+        return swiglu_unpacked(x, w1.weight, w1.bias, w3.weight, w3.bias, w2.weight, w2.bias,
+                               recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False))
+    return w2(glu_mul(w1(x), w3(x)))
+
+
+# ---- fused subclasses of torchtitan's classes ------------------------------------------------
+
+_FUSED_CLASSES: dict[type, type] = {}
+
+
+def _make_fused_class(base: type, forward) -> type:
+    """``SwiGLUCupy<base>``: a subclass with ``forward`` replaced and its own
+    ``Config`` (so torchtitan's ``Config.build()`` builds it: the converter)."""
+    fused = _FUSED_CLASSES.get(base)
+    if fused is not None:
+        return fused
+    name = f"SwiGLUCupy{base.__name__}"
+    base_config = base.Config
+    config_cls = dataclasses.dataclass(kw_only=True, slots=True)(
+        type("Config", (base_config,), {"__module__": __name__, "__qualname__": f"{name}.Config",
+                                        "__annotations__": {"recompute_gate_up": bool},
+                                        "recompute_gate_up": False}))
+
+    def __init__(self, config):
+        base.__init__(self, config)
+        self._swiglu_cupy_recompute_gate_up = bool(getattr(config, "recompute_gate_up", False))
+
+    fused = type(name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
+                                 "__init__": __init__, "forward": forward, "_swiglu_cupy_base": base,
+                                 "__reduce_ex__": _reduce_ex})
+    _FUSED_CLASSES[base] = fused
+    return fused
+
+
+def _reduce_ex(self, protocol):
+    # Pickle / deepcopy name the torchtitan class (the fused class is made at
+    # run time); the copy is switched back to the fused class on load.
+    fn, args, *rest = object.__reduce_ex__(self, protocol)
+    base = type(self)._swiglu_cupy_base
+    return (_rebuild, (fn, (base, *args[1:]), rest[0] if rest else None))
+
+
+def _rebuild(fn, args, state):
+    obj = fn(*args)
+    if state is not None:
+        obj.__setstate__(state)
+    obj.__class__ = fused_torchtitan_class(args[0])
+    return obj
+
+
+def _experts_bases() -> tuple[type, ...]:
+    """The torchtitan experts classes whose forward we reproduce (exact forwards)."""
+    bases = []
+    moe = sys.modules.get(_MOE)
+    if moe is not None:
+        bases.append(moe.GroupedExperts)
+    fused = sys.modules.get(_FUSED_OVERRIDES)
+    if fused is not None and hasattr(fused, "FusedGroupedExperts"):
+        bases.append(fused.FusedGroupedExperts)
+    return tuple(bases)
+
+
+def fused_torchtitan_class(base: type) -> type:
+    """The swiglu_cupy subclass of a torchtitan ``FeedForward``, ``GroupedExperts``
+    or ``FusedGroupedExperts`` class (exactly those: a subclass with its own
+    forward is not reproduced)."""
+    if base in _FUSED_CLASSES:
+        return _FUSED_CLASSES[base]
+    if base in _experts_bases():
+        return _make_fused_class(base, _experts_forward)
+    ff = sys.modules.get(_FF)
+    if ff is not None and base is ff.FeedForward:
+        return _make_fused_class(base, _feed_forward_forward)
+    raise TypeError(f"{base.__module__}.{base.__qualname__} is not torchtitan's FeedForward, GroupedExperts "
+                    "or FusedGroupedExperts")
+
+
+# ---- patching a built GroupedExperts ---------------------------------------------------------
+
+def _experts_class_of(module: nn.Module) -> type | None:
+    """The torchtitan experts class ``module`` is (or was switched from), or None."""
+    cls = type(module)
+    base = getattr(cls, "_swiglu_cupy_base", cls)
+    return base if base in _experts_bases() else None
+
+
+def is_torchtitan_experts(module: nn.Module) -> bool:
+    """A torchtitan ``GroupedExperts`` (or a subclass, switched or not)."""
+    moe = sys.modules.get(_MOE)
+    return moe is not None and isinstance(module, moe.GroupedExperts)
+
+
+def torchtitan_base(module: nn.Module) -> type:
+    """The torchtitan class a switched module came from (else its own class)."""
+    return getattr(type(module), "_swiglu_cupy_base", type(module))
+
+
+def torchtitan_experts_skip_reason(module: nn.Module) -> str | None:
+    """Why a torchtitan ``GroupedExperts`` cannot be switched (a subclass with
+    its own forward, a replaced ``_grouped_mm`` seam such as MXFP8's, a
+    replaced instance forward, unknown parameters), or None if it can be or
+    ``module`` is no GroupedExperts."""
+    moe = sys.modules.get(_MOE)
+    if moe is None or not isinstance(module, moe.GroupedExperts):
+        return None
+    cls = type(module)
+    if getattr(cls, "_swiglu_cupy_base", None) in _experts_bases():
+        return None
+    if _experts_class_of(module) is None:
+        return (f"{cls.__name__} subclasses GroupedExperts with its own forward, which swiglu_cupy does not "
+                "reproduce")
+    if "forward" in module.__dict__:
+        return "its forward is replaced on the instance, which would bypass the fusion"
+    if "_grouped_mm" in module.__dict__ or cls._grouped_mm is not moe.GroupedExperts._grouped_mm:
+        return "its _grouped_mm seam is replaced (a low-precision grouped GEMM, e.g. MXFP8): left as is"
+    names = set(module._parameters)
+    if names not in ({"w1_EFD", "w2_EDF", "w3_EFD"}, {"w13", "w2_EDF"}):
+        return f"unexpected parameters {sorted(names)}"
+    if any(p is not None and p.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+           for p in module._parameters.values()):
+        return "non-floating expert weights"
+    return None
+
+
+def patch_torchtitan_experts(module: nn.Module, recompute_gate_up: bool = False) -> str | None:
+    """Switch a torchtitan ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the fused
+    ``w13`` override) in place so its forward runs
+    :func:`swiglu_cupy.moe.grouped_experts`, and return the line the patch
+    report shows. None if ``module`` is no GroupedExperts or cannot be
+    switched (:func:`torchtitan_experts_skip_reason` says why).
+
+    Decided from the class, so it works on the meta device (no probe: the
+    class's forward is torchtitan's own, reproduced exactly). The instance
+    keeps its class as a base (``isinstance`` and torchtitan's ``Module``
+    protocol hold) and its parameters (state_dict keys unchanged)."""
+    if not isinstance(recompute_gate_up, bool):
+        raise TypeError(f"recompute_gate_up must be a bool, got {type(recompute_gate_up).__name__}")
+    base = _experts_class_of(module)
+    if base is None or torchtitan_experts_skip_reason(module) is not None:
+        return None
+    already = type(module) is not base
+    module.__class__ = fused_torchtitan_class(base)
+    module._swiglu_cupy_recompute_gate_up = recompute_gate_up
+    packed = "w13" in module._parameters
+    layout = ("w13 [E, F, 2, D] as interleaved w12 (a view)" if packed else
+              "w1_EFD/w3_EFD packed per call into w12 [E, 2F, D]")
+    return (f"swiglu_cupy.moe.grouped_experts, bf16 as torchtitan, {layout}; router scores in the "
+            f"dispatcher's combine" + (", recompute_gate_up" if recompute_gate_up else "")
+            + (" (already fused)" if already else ""))
+
+
+# ---- torchtitan's model-transform extension point --------------------------------------------
+
+def _build_converter_class() -> type:
+    from torchtitan.models.common.feed_forward import FeedForward
+    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.protocols.model import ModelConfigConverter
+    from torchtitan.protocols.module import Module
+
+    def targets() -> tuple[type, ...]:
+        return (FeedForward, GroupedExperts, *_experts_bases())
+
+    class SwiGLUCupyConverter(ModelConfigConverter):
+        """Runs torchtitan's ``FeedForward`` and ``GroupedExperts`` (and the
+        ``FusedGroupedExperts`` override) on swiglu_cupy: their configs are
+        replaced by configs of swiglu_cupy subclasses (same fields, same
+        parameters and init, same state_dict), before the model is built."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(ModelConfigConverter.Config):
+            recompute_gate_up: bool = False
+            """Save only each FFN's input and recompute the gate/up GEMM in backward."""
+
+        def __init__(self, config: Config, **kwargs):
+            self.config = config
+            self.converted: list[str] = []
+            self.left_alone: list[str] = []
+
+        def convert(self, model_config: Module.Config) -> Module.Config:
+            root = model_config
+            bases = targets()
+            for fqn, cfg, parent, attr in reversed(list(model_config.traverse(Module.Config, recurse=True))):
+                owner = type(cfg)._owner
+                if owner is None or getattr(owner, "_swiglu_cupy_base", None) is not None:
+                    continue
+                if owner not in bases:
+                    if isinstance(owner, type) and issubclass(owner, (FeedForward, GroupedExperts)):
+                        self.left_alone.append(f"{fqn} ({owner.__name__}: its own forward)")
+                    continue
+                fused = fused_torchtitan_class(owner)
+                new = fused.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init},
+                                   recompute_gate_up=self.config.recompute_gate_up)
+                self.converted.append(fqn)
+                if parent is None:
+                    root = new
+                elif isinstance(parent, list):
+                    parent[attr] = new
+                else:
+                    setattr(parent, attr, new)
+            return root
+
+    SwiGLUCupyConverter.__module__ = __name__
+    return SwiGLUCupyConverter
+
+
+_CONVERTER: list[type] = []
+
+
+def __getattr__(name: str):
+    if name == "SwiGLUCupyConverter":  # needs torchtitan: built on first use
+        if not _CONVERTER:
+            _CONVERTER.append(_build_converter_class())
+        return _CONVERTER[0]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,357 @@
+"""Mixture-of-experts: the GLU feed-forward of E experts over tokens grouped by expert.
+
+Layout (Hugging Face's packed 3-D expert weights; ``transposed=True`` is GPT-OSS's):
+
+    x_sorted  [S, D]      routed rows, grouped by expert (rows of expert e are
+                          ``offsets[e-1]:offsets[e]``)
+    offsets   [E] int32   cumulative group ends, as torch.nn.functional.grouped_mm takes them
+    w12       [E, 2I, D]  gate/up rows in the activation's layout (halves: gate first;
+                          interleaved: g0, u0, g1, ...);  transposed: [E, D, 2I]
+    b12       [E, 2I] or None
+    w3        [E, D, I]   down projection;  transposed: [E, I, D]
+    b3        [E, D] or None
+    routing_weights [S] or None (any floating dtype)
+
+    y[r] = w[r] * (act(x[r] @ W12[e].T + b12[e]) @ W3[e].T + b3[e])   for row r of expert e
+
+The routing weight multiplies the down output, bias included
+(``w * (h W3 + b3)``, which differs from ``(w * h) W3 + b3``), and its
+gradient ``dy . (h W3 + b3)`` is returned, so it reaches the router. ``y`` has
+the dtype torch's promotion gives ``z * w`` (a bf16 expert output times fp32
+routing weights is fp32, as in Hugging Face's experts).
+
+One apply-only Function (``MoEExpertsFunction``) holds the graph. It saves
+x_sorted and x12 (D + 2I elements per routed row, never h or the down
+output) plus the offsets and routing weights, the same tensors whatever
+requires grad, so checkpoint recomputes match; ``recompute_gate_up`` saves
+x_sorted only and recomputes x12 in backward (one grouped GEMM more).
+
+The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
+where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
+row strides and base pointers 16-byte aligned (its CPU kernel refuses the
+rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
+plain GEMM, after one device-to-host copy of the offsets. The activation is
+one fused launch over all routed rows (``primitives.run_swiglu_forward``),
+whatever E is; the backward is one fused pass too.
+
+Expert parallelism: rows past ``offsets[-1]`` may be an expert-parallel
+sentinel tail (ids of experts held by other ranks): the private entry
+``run_experts(..., tail=True)`` gives them zero output and zero gradients
+without a GEMM. The public ``grouped_experts`` requires offsets[-1] == S.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from .. import _validation as check
+from .._dtypes import FULL_PRECISION_DTYPES
+from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
+from .._validation import Role
+from ..activations import GLUActivation, resolve_activation
+from ..primitives import run_swiglu_backward, run_swiglu_forward
+from ..primitives.ops import spec_args
+
+__all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---- the groups: grouped_mm or a loop of GEMMs ----------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _cuda_grouped_mm_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """grouped_mm's layout rule: base pointer and every non-unit stride of a
+    dim longer than 1 a multiple of 16 bytes."""
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(
+        (st * size) % 16 == 0 for st, n in zip(t.stride(), t.shape) if st != 1 and n > 1)
+
+
+def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch.nn.functional.grouped_mm takes these operands (``x`` the
+    grouped rows, ``weights`` the 3-D experts); every other operand the op
+    builds is a fresh contiguous tensor whose width is one of the weights'."""
+    if not hasattr(F, "grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES:
+        return False
+    if x.is_cuda and not _cuda_grouped_mm_device(x.device.index if x.device.index is not None
+                                                 else torch.cuda.current_device()):
+        return False
+    if not (x.is_cuda or x.device.type == "cpu"):
+        return False
+    size = x.element_size()
+    widths = {x.shape[1], *(n for w in weights for n in w.shape[1:])}
+    return all((n * size) % 16 == 0 for n in widths) and _aligned(x) and all(_aligned(w) for w in weights)
+
+
+class _Groups:
+    """The row groups of one call: device offsets, and (loop mode) the host bounds."""
+
+    def __init__(self, offsets: torch.Tensor, rows: int, grouped: bool, tail: bool):
+        self.offsets = offsets
+        self.rows = rows
+        self.experts = offsets.shape[0]
+        self.grouped = grouped
+        self.tail = tail
+        self.bounds = None
+        if not grouped:  # one device-to-host copy; the loop needs the bounds on the host
+            ends = offsets.tolist()
+            self.bounds = list(zip([0, *ends[:-1]], ends))
+
+    def row_expert(self) -> torch.Tensor:
+        """The expert of each row ([S] int64; tail rows get the last expert)."""
+        rows = torch.arange(self.rows, device=self.offsets.device, dtype=self.offsets.dtype)
+        return torch.searchsorted(self.offsets, rows, right=True).clamp_(max=self.experts - 1)
+
+    def zero_tail(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` [S, ...] with the sentinel-tail rows (past offsets[-1]) zeroed, in place."""
+        if self.tail and self.rows:
+            rows = torch.arange(self.rows, device=t.device)
+            t.masked_fill_((rows >= self.offsets[-1]).view(-1, *([1] * (t.dim() - 1))), 0)
+        return t
+
+    def segment_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """[E, N]: the sum of each group's rows of ``t`` [S, N] (fp32 accumulation, deterministic)."""
+        if self.bounds is not None:
+            return torch.stack([t[s:e].sum(0) for s, e in self.bounds])
+        lengths = torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
+        if self.tail:
+            lengths = torch.cat([lengths, (self.rows - self.offsets[-1]).view(1)])
+        wide = t if t.dtype in FULL_PRECISION_DTYPES else t.float()
+        return torch.segment_reduce(wide, "sum", lengths=lengths, axis=0)[:self.experts].to(t.dtype)
+
+
+def _rows_linear(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, groups: _Groups) -> torch.Tensor:
+    """[S, N]: the rows of expert e times ``b[e]`` ([E, K, N], any strides), plus ``bias[e]``.
+    Rows past the last group (a sentinel tail) are left unspecified."""
+    if groups.grouped:
+        out = F.grouped_mm(a, b, offs=groups.offsets)
+        if bias is not None:  # grouped_mm's bias= is refused on CPU
+            out.add_(bias.index_select(0, groups.row_expert()))
+        return out
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    for e, (s, t) in enumerate(groups.bounds):
+        if t > s:
+            if bias is None:
+                torch.mm(a[s:t], b[e], out=out[s:t])
+            else:
+                torch.addmm(bias[e], a[s:t], b[e], out=out[s:t])
+    return out
+
+
+def _weight_grad(a: torch.Tensor, b: torch.Tensor, groups: _Groups) -> torch.Tensor:
+    """[E, K, N]: ``a_e.T @ b_e`` for the rows of each expert (zeros for an empty one)."""
+    if groups.grouped:
+        return F.grouped_mm(a.t(), b, offs=groups.offsets)
+    out = a.new_zeros((groups.experts, a.shape[1], b.shape[1]))
+    for e, (s, t) in enumerate(groups.bounds):
+        if t > s:
+            torch.mm(a[s:t].t(), b[s:t], out=out[e])
+    return out
+
+
+def _kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The weight as [E, K, N] (input width first): a view."""
+    return w if transposed else w.transpose(1, 2)
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-row dot product, [S]: accumulated in fp32 (fp64 for float64), the
+    products and the result in the storage dtype, as the eager router
+    gradient ``(dy * z).sum(-1)`` has them (widening both operands first
+    costs two more passes over [S, I])."""
+    return torch.linalg.vecdot(a, b)
+
+
+# ---- the computation (plain bodies; the registered ops below wrap them) --------------------
+
+def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool):
+    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
+    # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
+    h = run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+    z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
+    if rw is not None:
+        w = rw.unsqueeze(1)
+        z = z.mul_(w) if torch.result_type(z, w) == z.dtype else z * w
+    return groups.zero_tail(z), x12
+
+
+def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
+                   tail: bool, needs: tuple):
+    need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
+    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    recomputed = x12 is None
+    if recomputed:
+        x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)            # recompute_gate_up: GEMM
+    dtype = x.dtype
+    w = None if rw is None else rw.unsqueeze(1)
+    dyw = dy.to(dtype) if w is None else (dy * w).to(dtype)                  # d(down output), one rounding
+    dy = dy.to(dtype)
+    w3_t = _kn(w3, transposed).transpose(1, 2)                               # [E, D, I]
+    g = None
+    if w is not None and need_rw:
+        g = _rows_linear(dy, w3_t, None, groups)                             # GEMM: dy @ W3 (unweighted)
+        dh = (g * w).to(dtype)
+    else:
+        dh = _rows_linear(dyw, w3_t, None, groups)                           # GEMM: dyw @ W3
+    # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to
+    # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
+    # row blocks instead of joining two halves afterwards).
+    dx12, h = run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
+    dx = dw12 = db12 = dw3 = db3 = drw = None
+    if g is not None:
+        drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)
+        if b3 is not None:
+            drw = drw + _row_dot(dy, b3.index_select(0, groups.row_expert()))
+        drw = groups.zero_tail(drw.to(rw.dtype))
+    if need_w3:
+        dw3 = _weight_grad(h, dyw, groups) if transposed else _weight_grad(dyw, h, groups)
+    if need_b3:
+        db3 = groups.segment_sums(dyw)
+    if need_x:
+        dx = groups.zero_tail(_rows_linear(dx12, _kn(w12, transposed).transpose(1, 2), None, groups))
+    if need_w12:
+        dw12 = _weight_grad(x, dx12, groups) if transposed else _weight_grad(dx12, x, groups)
+    if need_b12:
+        db12 = groups.segment_sums(dx12)
+    return dx, dw12, db12, dw3, db3, drw
+
+
+# ---- registered ops: what torch.compile / torch.export trace --------------------------------
+
+@torch.library.custom_op("swiglu_cupy::moe_experts_forward", mutates_args=())
+def _forward_op(x: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
+                w3: torch.Tensor, b3: torch.Tensor | None, rw: torch.Tensor | None, kind: str,
+                limit: float | None, alpha: float, up_offset: float, interleaved: bool, transposed: bool,
+                tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail)
+
+
+@_forward_op.register_fake
+def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail):
+    two_i = w12.shape[2] if transposed else w12.shape[1]
+    dtype = x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype)
+    return x.new_empty((x.shape[0], x.shape[1]), dtype=dtype), x.new_empty((x.shape[0], two_i))
+
+
+@torch.library.custom_op("swiglu_cupy::moe_experts_backward", mutates_args=())
+def _backward_op(dy: torch.Tensor, x: torch.Tensor, x12: torch.Tensor | None, offsets: torch.Tensor,
+                 w12: torch.Tensor, b12: torch.Tensor | None, w3: torch.Tensor, b3: torch.Tensor | None,
+                 rw: torch.Tensor | None, kind: str, limit: float | None, alpha: float, up_offset: float,
+                 interleaved: bool, transposed: bool, tail: bool, needs: list[bool]) -> list[torch.Tensor]:
+    spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
+    grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs))
+    return [x.new_empty(0) if g is None else g for g in grads]  # an op returns tensors only
+
+
+@_backward_op.register_fake
+def _(dy, x, x12, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail,
+      needs):
+    like = (x, w12, b12, w3, b3, rw)
+    return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for need, t in zip(needs, like)]
+
+
+def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail):
+    if torch.compiler.is_compiling():
+        return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail)
+
+
+def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs):
+    if torch.compiler.is_compiling():
+        grads = _backward_op(dy, x, x12, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed,
+                             tail, list(needs))
+        return tuple(g if need else None for g, need in zip(grads, needs))
+    return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs)
+
+
+# ---- the Function --------------------------------------------------------------------------
+
+class MoEExpertsFunction(LeanApplyFunction):
+    """The experts feed-forward over grouped rows, apply-only (layout in the module docstring).
+
+    ``apply(x_sorted, offsets, w12, b12, w3, b3, routing_weights, activation,
+    transposed, recompute_gate_up, tail) -> (y, x12)``, all positional: the
+    arguments were validated by the caller (``grouped_experts`` /
+    ``routed_experts`` / the Hugging Face experts function). It saves the same
+    tensors whatever requires grad: x_sorted, offsets, the weights, the routing
+    weights and x12 (not x12 with ``recompute_gate_up``). ``x12`` is returned
+    only so that it can be saved; it is non-differentiable.
+    """
+
+    @staticmethod
+    def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail):
+        return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail = inputs
+        mark_saved_only(ctx, output[1])
+        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, None if recompute_gate_up else output[1])
+        ctx.modes = (activation, transposed, tail)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, _dx12_unused):
+        if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
+            return (None,) * 11
+        x, offsets, w12, b12, w3, b3, rw, x12 = ctx.saved_tensors
+        need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
+        needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
+                 need_rw and rw is not None)
+        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs)
+        return dx, None, dw12, db12, dw3, db3, drw, None, None, None, None
+
+
+def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
+                recompute_gate_up: bool, tail: bool) -> torch.Tensor:
+    """The Function on arguments valid by construction (no checks): the one
+    place it is applied. Under autocast, x and the weights are cast to the
+    autocast dtype (as nn.Linear does); under no_grad the forward runs without
+    the Function (no graph, nothing to save)."""
+    def run(tensors):
+        x, w12, b12, w3, b3 = tensors
+        if graph_needed(x, w12, w3):
+            return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
+                                            recompute_gate_up, tail)[0]
+        return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)[0]
+    return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
+
+
+# ---- public API ----------------------------------------------------------------------------
+
+def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, w3: torch.Tensor,
+                    b12: torch.Tensor | None = None, b3: torch.Tensor | None = None, *,
+                    routing_weights: torch.Tensor | None = None, activation="silu", transposed: bool = False,
+                    recompute_gate_up: bool = False) -> torch.Tensor:
+    """The experts GLU feed-forward over rows already grouped by expert: ``y [S, D]``.
+
+    ``offsets`` are int32 cumulative group ends (``offsets[-1] == S``; empty
+    experts repeat the previous end), as ``torch.nn.functional.grouped_mm``
+    takes them. ``activation``: a ``GLUActivation`` or a plain form's name
+    (its ``interleaved`` flag names w12's gate/up layout). ``routing_weights``
+    [S] multiply each row's down output, bias included. Checking the offsets'
+    values copies them to the host once (use ``routed_experts`` to route from
+    top-k ids). Layouts and the saved tensors: the module docstring.
+    """
+    check.reject_jit()
+    if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
+        shape = tuple(x_sorted.shape) if isinstance(x_sorted, torch.Tensor) else type(x_sorted).__name__
+        raise ValueError(f"x_sorted must be a 2-D tensor [S, D], got {shape}")
+    E, _ = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
+    check.check_flags(recompute_gate_up=recompute_gate_up)
+    spec = resolve_activation(activation)
+    S = x_sorted.shape[0]
+    check.check_offsets(offsets, E, S, x_sorted.device)
+    check.check_routing_weights("routing_weights", routing_weights, (S,), x_sorted)
+    return run_experts(x_sorted, offsets, w12, b12, w3, b3, routing_weights, spec, transposed,
+                       recompute_gate_up, False)

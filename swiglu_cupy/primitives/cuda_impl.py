@@ -1,0 +1,232 @@
+"""Kernel implementation of the primitives: layout checks, the vector-width
+choice and the launch shape, then one call to a launcher (CuPy on a GPU, or
+the host harness in CI). Tensors are passed as raw pointers, never copied
+(except a non-unit inner stride, which the kernels cannot step).
+
+Every primitive reaches the same two kernel kinds through ``_launch_forward_kernel``
+and ``_launch_backward_kernel``: gate and up are separate pointers with their own row strides,
+so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:]. An
+interleaved x12 (``activation.interleaved``) has its own entry points
+(``_launch_pairs_*``), which read gate/up pairs from x12 with 16-byte loads.
+
+The GLU variant (``activation``, a ``GLUActivation``) picks the compiled
+instance; its limit, alpha and up_offset are kernel arguments in the math
+dtype (numpy float32, or float64 for float64 storage: never a Python float,
+which CuPy would pass as a C double).
+
+The launch shape comes from ``launch_config=`` or, when None, from
+``swiglu_cupy.kernels.launch_config.current_launch_config()`` (see that module).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import torch
+
+from ..kernels.launch import cupy_launcher, device_index, i64, pointer
+from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
+from ..activations import SILU, GLUActivation
+from ..kernels.launch_config import LaunchConfig, current_launch_config
+
+MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
+MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-stride loop
+HOST_SM_COUNT = 1   # stand-in for launchers without a GPU, so capped grids stay small
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor:
+    """The kernels take a row stride but need unit inner stride."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+
+
+def _leading_dim(t: torch.Tensor) -> int:
+    # A single row (or size-1 dims) can report any stride; it is never used to step.
+    return t.stride(0) if t.shape[0] > 1 else t.shape[1]
+
+
+def choose_vector_width(dtype: torch.dtype, H: int, *tensors: torch.Tensor) -> int:
+    """16-byte accesses when every row start is 16-byte aligned, else 1."""
+    vec = vector_width(dtype)
+    if H % vec:
+        return 1
+    for t in tensors:
+        if t.data_ptr() % 16 or _leading_dim(t) % vec:
+            return 1
+    return vec
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a fixed stand-in off CUDA)."""
+    return _cuda_sm_count(device_index(device)) if device.type == "cuda" else HOST_SM_COUNT
+
+
+def launch_shape(M: int, H: int, vec: int, config: LaunchConfig, sm_count: int
+                 ) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """x threads cover the packs of a row (``config.packs_per_thread`` each),
+    y covers rows; with a grid cap the kernels' grid-stride loops cover the
+    rest (columns first when one row alone needs more blocks than the cap)."""
+    packs = -(-H // vec)
+    per_thread = config.packs_per_thread
+    block_x = min(MAX_BLOCK_X, config.threads_per_block, -(-packs // (32 * per_thread)) * 32)
+    block_y = config.threads_per_block // block_x
+    grid_x = -(-packs // (block_x * per_thread))
+    grid_y = min(-(-M // block_y), MAX_GRID_Y)
+    cap = config.max_blocks(sm_count)
+    if cap is not None:
+        grid_x = min(grid_x, cap)
+        grid_y = max(1, min(grid_y, cap // grid_x))
+    return (grid_x, grid_y, 1), (block_x, block_y, 1)
+
+
+def effective_launch_config(config: LaunchConfig, variant) -> LaunchConfig:
+    """``config`` with its block capped to what the instance was compiled for
+    (``kernels.sources.max_threads_per_block``); the same config otherwise."""
+    limit = max_threads_per_block(variant, config.packs_per_thread)
+    if config.threads_per_block <= limit:
+        return config
+    return dataclasses.replace(config, threads_per_block=limit)
+
+
+def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: torch.Tensor,
+            M: int, H: int, args, activation: GLUActivation) -> None:
+    if M == 0 or H == 0:
+        return  # an empty grid is a CUDA launch error; there is nothing to do
+    variant = kernel_variant(activation)
+    config = effective_launch_config(config or current_launch_config(), variant)
+    name = kernel_name(kind, vec > 1, config.packs_per_thread, variant)
+    sms = sm_count(ref.device) if config.grid_waves is not None else 0
+    grid, block = launch_shape(M, H, vec, config, sms)
+    (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block,
+                                         [*args, *_variant_args(activation, ref.dtype)])
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_args(activation: GLUActivation, double: bool) -> tuple:
+    """(limit, alpha, up_offset) in the kernels' math dtype (the limit is
+    read only by clamped instances, alpha and up_offset only by OAI's)."""
+    scalar = np.float64 if double else np.float32
+    limit = 0.0 if activation.limit is None else activation.limit
+    return scalar(limit), scalar(activation.alpha), scalar(activation.up_offset)
+
+
+def _variant_args(activation: GLUActivation, dtype: torch.dtype) -> tuple:
+    return _scalar_args(activation, dtype is torch.float64)
+
+
+def _launch_forward_kernel(gate, up, h, launcher, config, activation) -> None:
+    """h = act(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
+    M, H = gate.shape
+    vec = choose_vector_width(gate.dtype, H, gate, up, h)
+    _launch(launcher, config, "swiglu_forward", vec, gate, M, H, [
+        pointer(gate), pointer(up), pointer(h), i64(M), i64(H),
+        i64(_leading_dim(gate)), i64(_leading_dim(up)), i64(_leading_dim(h)),
+    ], activation)
+
+
+def _h_args(h):
+    return (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
+
+
+def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
+    """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
+    M, H = gate.shape
+    tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
+    vec = choose_vector_width(gate.dtype, H, *tensors)
+    h_ptr, h_ld = _h_args(h)
+    _launch(launcher, config, "swiglu_backward", vec, gate, M, H, [
+        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
+        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld,
+    ], activation)
+
+
+def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
+    """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
+    M, H = h.shape
+    vec = choose_vector_width(x12.dtype, H, x12, h)
+    _launch(launcher, config, "swiglu_forward", vec, x12, M, H, [
+        pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h)),
+    ], activation)
+
+
+def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
+    """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
+    M, H = dh.shape
+    vec = choose_vector_width(x12.dtype, H, *((x12, dh, dx12) + (() if h is None else (h,))))
+    h_ptr, h_ld = _h_args(h)
+    _launch(launcher, config, "swiglu_backward", vec, x12, M, H, [
+        pointer(x12), pointer(dh), pointer(dx12), h_ptr, i64(M), i64(H),
+        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld,
+    ], activation)
+
+
+def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
+    return torch.empty((ref.shape[0], H), dtype=ref.dtype, device=ref.device)
+
+
+def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
+    """An output written through a contiguous stand-in goes to the caller's view."""
+    if target is not out:
+        out.copy_(target)
+
+
+def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
+                            launcher=None, launch_config: LaunchConfig | None = None,
+                            activation: GLUActivation = SILU) -> torch.Tensor:
+    gate, up = _rows_view(gate), _rows_view(up)
+    h = _empty_rows(gate, gate.shape[1]) if out is None else out
+    target = _rows_view(h)
+    _launch_forward_kernel(gate, up, target, launcher, launch_config, activation)
+    _copy_back(target, h)
+    return h
+
+
+def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
+                             dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
+                             launcher=None, launch_config: LaunchConfig | None = None,
+                             activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
+    H = gate.shape[1]
+    dgate = _empty_rows(gate, H) if dgate_out is None else dgate_out
+    dup = _empty_rows(gate, H) if dup_out is None else dup_out
+    dgate_target, dup_target = _rows_view(dgate), _rows_view(dup)
+    _launch_backward_kernel(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config, activation)
+    _copy_back(dgate_target, dgate)
+    _copy_back(dup_target, dup)
+    return dgate, dup
+
+
+def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
+                          launch_config: LaunchConfig | None = None,
+                          activation: GLUActivation = SILU) -> torch.Tensor:
+    x12 = _rows_view(x12)
+    H = x12.shape[1] // 2
+    if not activation.interleaved:
+        return launch_silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config, activation)
+    h = _empty_rows(x12, H) if out is None else out
+    target = _rows_view(h)
+    _launch_pairs_forward_kernel(x12, target, launcher, launch_config, activation)
+    _copy_back(target, h)
+    return h
+
+
+def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
+                           launcher=None, launch_config: LaunchConfig | None = None,
+                           activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    x12, dh = _rows_view(x12), _rows_view(dh)
+    H = x12.shape[1] // 2
+    dx12 = torch.empty_like(x12, memory_format=torch.contiguous_format) if dx12_out is None else dx12_out
+    target = _rows_view(dx12)
+    h = _empty_rows(x12, H)
+    if activation.interleaved:
+        _launch_pairs_backward_kernel(x12, dh, target, h, launcher, launch_config, activation)
+    else:
+        _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher,
+                                launch_config, activation)
+    _copy_back(target, dx12)
+    return dx12, h

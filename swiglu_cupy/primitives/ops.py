@@ -1,0 +1,360 @@
+"""The primitives as registered torch ops (``torch.ops.swiglu_cupy.*``), the
+view that tracers and program transforms get of them.
+
+Each op wraps one plain function below, so there is one implementation
+(the primitives' ``run_*`` entry points: the arguments were validated once,
+by the public API):
+- eager calls use the plain function directly (the custom-op dispatcher
+  costs ~13 us per call);
+- torch.compile / torch.export trace the op: it stays in the graph as
+  ``torch.ops.swiglu_cupy.*`` and runs our kernels (fake impls give shapes);
+- torch.func (vmap, grad, jacrev) reaches the op whenever a tensor carries a
+  transform: each op has a vmap rule that folds the batch into the rows (one
+  launch), and the out-of-place ops have autograd formulas, so an exported
+  program stays differentiable;
+- ONNX export gets plain aten math (``torch_impl``), which maps to
+  standard ONNX operators: traced directly (``torch.onnx.export(model)``), or
+  through torch's decomposition table when an ``ExportedProgram`` is exported
+  (``torch.onnx.export(ep)``); ``aten_decompositions()`` gives the same to any
+  consumer of an ``ExportedProgram`` that needs aten ops only.
+
+The GLU variant travels as five plain op arguments (``kind: str``,
+``limit: float?``, ``alpha: float``, ``up_offset: float``, ``interleaved:
+bool``; ``spec_args``), so a traced or exported graph records it as
+constants; the dispatch functions below take the ``GLUActivation`` itself.
+An interleaved x12 never takes h over itself (``forward_inplace`` then
+returns a new h): independent threads cannot compact the pairs in place.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .. import primitives
+from .._torch_compat import is_functorch_wrapped as _is_wrapped
+from .._torch_compat import register_global_decomposition
+from ..activations import SILU, GLUActivation
+from . import torch_impl
+
+
+def is_transformed(t: torch.Tensor) -> bool:
+    """True if ``t`` is wrapped by a torch.func transform (vmap/grad level).
+    Tracers see through such wrappers (and cannot call this check)."""
+    return not torch.compiler.is_compiling() and _is_wrapped(t)
+
+
+def spec_args(spec: GLUActivation) -> tuple:
+    """The spec as the ops' trailing arguments."""
+    return spec.kind, spec.limit, spec.alpha, spec.up_offset, spec.interleaved
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(kind: str = "silu", limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+          interleaved: bool = False) -> GLUActivation:
+    """The spec from the ops' arguments (a graph may omit those left at SwiGLU's defaults)."""
+    return GLUActivation(kind, limit, alpha, up_offset, interleaved)
+
+
+def _gate_half(x12: torch.Tensor) -> torch.Tensor:
+    return x12.chunk(2, 1)[0]
+
+
+def _h_over_gate(x12: torch.Tensor, spec: GLUActivation) -> torch.Tensor:
+    """h = act(gate) * up written over the gate half of x12 (the silu_mul
+    primitive on x12's two halves); returns that strided [M, H] view."""
+    gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
+    return primitives.run_silu_mul_forward(gate, up, gate, activation=spec)
+
+
+# ---- plain bodies (one implementation each) -------------------------------------------------
+# Each takes the tensors, then the spec's five arguments (see spec_args),
+# which default to SwiGLU's.
+
+def _swiglu_forward_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
+                         alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
+                         ) -> torch.Tensor:
+    return primitives.run_swiglu_forward(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+
+
+def _swiglu_forward_inplace_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
+                                 alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
+                                 ) -> None:
+    """Writes h over the gate half of x12 (no-grad path; halves layout only)."""
+    _h_over_gate(x12, _spec(kind, limit, alpha, up_offset, interleaved))
+
+
+def _swiglu_backward_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
+                          limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+                          interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return primitives.run_swiglu_backward(x12, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+
+
+def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
+                                  limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+                                  interleaved: bool = False) -> torch.Tensor:
+    """Writes dx12 over x12 and returns the recomputed h."""
+    spec = _spec(kind, limit, alpha, up_offset, interleaved)
+    return primitives.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
+
+
+def _silu_mul_forward_body(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu",
+                           limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+                           interleaved: bool = False) -> torch.Tensor:
+    return primitives.run_silu_mul_forward(gate, up, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+
+
+def _silu_mul_backward_body(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
+                            limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+                            interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = _spec(kind, limit, alpha, up_offset, interleaved)
+    return primitives.run_silu_mul_backward(gate, up, dh, activation=spec)
+
+
+# ---- registration ---------------------------------------------------------------------------
+
+def _op(name: str, fn, mutates=()):
+    return torch.library.custom_op(f"swiglu_cupy::{name}", fn, mutates_args=mutates)
+
+
+swiglu_forward_op = _op("swiglu_forward", _swiglu_forward_body)
+swiglu_forward_inplace_op = _op("swiglu_forward_inplace", _swiglu_forward_inplace_body, ("x12",))
+swiglu_backward_op = _op("swiglu_backward", _swiglu_backward_body)
+swiglu_backward_inplace_op = _op("swiglu_backward_inplace", _swiglu_backward_inplace_body, ("x12",))
+silu_mul_forward_op = _op("silu_mul_forward", _silu_mul_forward_body)
+silu_mul_backward_op = _op("silu_mul_backward", _silu_mul_backward_body)
+
+
+@swiglu_forward_op.register_fake
+def _(x12, *spec):
+    return x12.new_empty((x12.shape[0], x12.shape[1] // 2))
+
+
+@swiglu_forward_inplace_op.register_fake
+def _(x12, *spec):
+    return None
+
+
+@swiglu_backward_op.register_fake
+def _(x12, dh, *spec):
+    return torch.empty_like(x12, memory_format=torch.contiguous_format), dh.new_empty(dh.shape)
+
+
+@swiglu_backward_inplace_op.register_fake
+def _(x12, dh, *spec):
+    return dh.new_empty(dh.shape)
+
+
+@silu_mul_forward_op.register_fake
+def _(gate, up, *spec):
+    return gate.new_empty(gate.shape)
+
+
+@silu_mul_backward_op.register_fake
+def _(gate, up, dh, *spec):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+# Autograd formulas: used only where the ops are differentiated as ops (an
+# exported program run with grad); SwiGLUFunction/SiluMulFunction own eager
+# and compiled autograd.
+_NO_SPEC_GRADS = (None,) * 5
+
+
+def _save_tensors_and_spec(n_tensors: int):
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:n_tensors])
+        ctx.spec = inputs[n_tensors:]
+    return setup_context
+
+
+def _swiglu_forward_grad(ctx, dh):
+    (x12,) = ctx.saved_tensors
+    return swiglu_backward_op(x12, dh, *ctx.spec)[0], *_NO_SPEC_GRADS
+
+
+def _silu_mul_forward_grad(ctx, dh):
+    gate, up = ctx.saved_tensors
+    return *silu_mul_backward_op(gate, up, dh, *ctx.spec), *_NO_SPEC_GRADS
+
+
+swiglu_forward_op.register_autograd(_swiglu_forward_grad, setup_context=_save_tensors_and_spec(1))
+silu_mul_forward_op.register_autograd(_silu_mul_forward_grad, setup_context=_save_tensors_and_spec(2))
+
+
+def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
+    """``t`` with its vmap batch (at ``dim``, or none: then broadcast) as dim 0."""
+    return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+def _rows_with_batch(info, t: torch.Tensor, dim) -> torch.Tensor:
+    """[M, C] with a vmap batch at ``dim`` (or none) -> [B * M, C], batch first."""
+    return batch_first(info, t, dim).reshape(-1, t.shape[-1])
+
+
+def _fold_rows(op, n_tensors: int, n_out: int):
+    """vmap rule: fold the batch into the rows, one call of ``op`` (the
+    spec arguments after the ``n_tensors`` tensors pass through)."""
+    def rule(info, in_dims, *args):
+        rows = [_rows_with_batch(info, t, d) for t, d in zip(args[:n_tensors], in_dims)]
+        out = op(*rows, *args[n_tensors:])
+        if n_out == 1:
+            return out.view(info.batch_size, -1, out.shape[-1]), 0
+        return tuple(o.view(info.batch_size, -1, o.shape[-1]) for o in out), (0,) * n_out
+    return rule
+
+
+swiglu_forward_op.register_vmap(_fold_rows(swiglu_forward_op, 1, 1))
+swiglu_backward_op.register_vmap(_fold_rows(swiglu_backward_op, 2, 2))
+silu_mul_forward_op.register_vmap(_fold_rows(silu_mul_forward_op, 2, 1))
+silu_mul_backward_op.register_vmap(_fold_rows(silu_mul_backward_op, 3, 2))
+
+
+# The torch implementation of each op, taking the op's spec arguments (same
+# math, same single rounding, for every GLU variant).
+
+def _forward_aten(x12, *spec, **named):
+    return torch_impl.swiglu_forward_torch(x12, None, _spec(*spec, **named))
+
+
+def _forward_inplace_aten(x12, *spec, **named):
+    _gate_half(x12).copy_(_forward_aten(x12, *spec, **named))
+
+
+def _backward_aten(x12, dh, *spec, **named):
+    return torch_impl.swiglu_backward_torch(x12, dh, activation=_spec(*spec, **named))
+
+
+def _backward_inplace_aten(x12, dh, *spec, **named):
+    dx12, h = _backward_aten(x12, dh, *spec, **named)
+    x12.copy_(dx12)
+    return h
+
+
+def _silu_mul_forward_aten(gate, up, *spec, **named):
+    return torch_impl.silu_mul_forward_torch(gate, up, None, _spec(*spec, **named))
+
+
+def _silu_mul_backward_aten(gate, up, dh, *spec, **named):
+    return torch_impl.silu_mul_backward_torch(gate, up, dh, activation=_spec(*spec, **named))
+
+
+def _functional_aten() -> dict:
+    """``{functional op: its torch implementation}``."""
+    ops = torch.ops.swiglu_cupy
+    return {
+        ops.swiglu_forward.default: _forward_aten,
+        ops.swiglu_backward.default: _backward_aten,
+        ops.silu_mul_forward.default: _silu_mul_forward_aten,
+        ops.silu_mul_backward.default: _silu_mul_backward_aten,
+    }
+
+
+def aten_decompositions() -> dict:
+    """``{op: aten implementation}`` for every op above, for
+    ``ExportedProgram.run_decompositions(table)`` when a consumer needs plain
+    aten ops (the torch implementation of the primitives: same math, same
+    single rounding, for every GLU variant)."""
+    register_onnx_decompositions()
+    ops = torch.ops.swiglu_cupy
+    return {
+        **_functional_aten(),
+        ops.swiglu_forward_inplace.default: _forward_inplace_aten,
+        ops.swiglu_backward_inplace.default: _backward_inplace_aten,
+    }
+
+
+# torch.onnx.export(exported_program) has no ONNX translation for our ops; it
+# decomposes every op that torch's global decomposition table holds, so the
+# functional ops are registered there (exported programs hold no in-place op:
+# see forward_inplace). Not at import (importing swiglu_cupy leaves torch's
+# tables alone): when an export first traces one of our ops, or when asked.
+# torch.export's default decompositions and Inductor's table are separate
+# lists: they keep our ops (and our kernels).
+_registered_for_onnx = False
+
+
+def register_onnx_decompositions() -> None:
+    """Put the functional ops' aten math into torch's global decomposition
+    table, where ``torch.onnx.export(exported_program)`` looks (idempotent).
+    Done by itself when a ``torch.export`` trace reaches our ops; call it
+    before exporting a program loaded in a fresh process (``torch.export.load``)."""
+    global _registered_for_onnx
+    if not _registered_for_onnx:
+        _registered_for_onnx = True
+        for overload, aten in _functional_aten().items():
+            register_global_decomposition(overload, aten)
+
+
+# ---- dispatch: plain function, registered op, or aten math ----------------------------------
+
+def _route(*tensors: torch.Tensor) -> str:
+    if torch.compiler.is_compiling():
+        if not _registered_for_onnx and torch.compiler.is_exporting():
+            register_onnx_decompositions()
+        # ONNX has no operator for ours: hand it aten math it can translate.
+        return "aten" if torch.onnx.is_in_onnx_export() else "op"
+    return "op" if any(_is_wrapped(t) for t in tensors) else "eager"
+
+
+def forward(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
+    route = _route(x12)
+    if route == "aten":
+        return torch_impl.swiglu_forward_torch(x12, None, spec)
+    if route == "op":
+        return swiglu_forward_op(x12, *spec_args(spec))
+    return primitives.run_swiglu_forward(x12, activation=spec)
+
+
+def forward_inplace(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
+    """h written over the gate half of x12; returns that strided [M, H] view
+    (an interleaved x12: a new h, see the module docstring)."""
+    if spec.interleaved:
+        return forward(x12, spec)
+    route = _route(x12)
+    if route == "aten":
+        return torch_impl.swiglu_forward_torch(x12, None, spec)  # functional: nothing to save there
+    if route == "op":
+        if torch.compiler.is_exporting():
+            # An exported program must hold functional ops only: the mutating op would
+            # be wrapped in auto_functionalized_v2, which neither ONNX nor
+            # aten_decompositions() can translate. torch.compile keeps the in-place op
+            # (Inductor re-inplaces it).
+            return swiglu_forward_op(x12, *spec_args(spec))
+        swiglu_forward_inplace_op(x12, *spec_args(spec))
+        return _gate_half(x12)
+    return _h_over_gate(x12, spec)
+
+
+def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool, spec: GLUActivation = SILU
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    route = _route(x12, dh)
+    if route == "aten":
+        return torch_impl.swiglu_backward_torch(x12, dh, activation=spec)
+    if route == "op":
+        if inplace:
+            return x12, swiglu_backward_inplace_op(x12, dh, *spec_args(spec))
+        return swiglu_backward_op(x12, dh, *spec_args(spec))
+    if inplace:
+        return x12, primitives.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
+    return primitives.run_swiglu_backward(x12, dh, activation=spec)
+
+
+def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
+    route = _route(gate, up)
+    if route == "aten":
+        return torch_impl.silu_mul_forward_torch(gate, up, None, spec)
+    if route == "op":
+        return silu_mul_forward_op(gate, up, *spec_args(spec))
+    return primitives.run_silu_mul_forward(gate, up, activation=spec)
+
+
+def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SILU
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    route = _route(gate, up, dh)
+    if route == "aten":
+        return torch_impl.silu_mul_backward_torch(gate, up, dh, activation=spec)
+    if route == "op":
+        return silu_mul_backward_op(gate, up, dh, *spec_args(spec))
+    return primitives.run_silu_mul_backward(gate, up, dh, activation=spec)
