@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
-from swiglu_cupy._launch import cuda_kernels_available
+from swiglu_cupy import cuda_kernels_available
 
 
 class Model(nn.Module):

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import swiglu_cupy as sc
-from swiglu_cupy._launch import cuda_kernels_available
+from swiglu_cupy import cuda_kernels_available
 from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_model, unapply
 
 

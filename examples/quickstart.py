@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
-from swiglu_cupy._launch import cuda_kernels_available
+from swiglu_cupy import cuda_kernels_available
 
 
 class EagerSwiGLU(nn.Module):

@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import swiglu_cupy as sc
-from swiglu_cupy._launch import cuda_kernels_available
+from swiglu_cupy import cuda_kernels_available
 from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement
 
 
