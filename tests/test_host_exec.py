@@ -9,7 +9,7 @@ from swiglu_cupy import primitives, reference
 from swiglu_cupy.kernels.sources import VARIANTS, kernel_name, kernel_variant, variant_of_kernel
 from swiglu_cupy.activations import GPT_OSS, SILU as SILU_SPEC
 from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, using_launch_config
-from swiglu_cupy.primitives import kernels
+from swiglu_cupy.primitives import cuda_impl as kernels
 from conftest import (DTYPES_ALL, assert_nontrivial, elementwise_error_bounds, glu_error_bounds,
                       primitives_on_host_kernels, rel_rms, spec_of_variant, swiglu_fp64_reference)
 

@@ -323,7 +323,7 @@ def test_using_launch_config_is_scoped_and_per_thread(host_launcher):
 
 
 def test_sm_count_is_read_once_per_cuda_device(monkeypatch):
-    from swiglu_cupy.primitives import kernels
+    from swiglu_cupy.primitives import cuda_impl as kernels
 
     calls = []
 

@@ -26,7 +26,8 @@ from torch.autograd.function import once_differentiable
 
 from .._autograd import LeanApplyFunction, mark_saved_only
 from .._torch_compat import is_transformed
-from ..primitives import ops
+from ..primitives import route
+from ..primitives.run import batch_first
 from . import gemm as _gemm
 
 __all__ = ["SwiGLUFunction", "SiluMulFunction"]
@@ -100,7 +101,7 @@ class SwiGLUFunction(LeanApplyFunction):
         # In-place reuse is always safe for the recomputed x12 (nobody else
         # holds it), but not under torch.func, where dh may carry a vmap batch.
         inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
-        dx12, h = ops.backward(x12, dh, inplace, ctx.activation)          # one fused pass
+        dx12, h = route.backward(x12, dh, inplace, ctx.activation)          # one fused pass
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
         H = dh.shape[1]
         if need_x:
@@ -130,7 +131,7 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
     graph, so the Function has no job there)."""
     flat = x.dim() == 2
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
-    h = ops.forward_inplace(x12, activation) if inference else ops.forward(x12, activation)
+    h = route.forward_inplace(x12, activation) if inference else route.forward(x12, activation)
     return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
 
 
@@ -141,7 +142,7 @@ def _swiglu_vmap_rule(info, in_dims, tensors, modes):
     x, *weights = tensors
     x_dim, *weight_dims = in_dims
     if all(d is None for d in weight_dims):
-        y, x12 = SwiGLUFunction.apply(ops.batch_first(info, x, x_dim), *weights, *modes)
+        y, x12 = SwiGLUFunction.apply(batch_first(info, x, x_dim), *weights, *modes)
         return (y, x12.view(info.batch_size, -1, x12.shape[-1])), (0, 0)
     members = []
     for i in range(info.batch_size):
@@ -159,7 +160,7 @@ class SiluMulFunction(LeanApplyFunction):
 
     @staticmethod
     def forward(gate, up, activation):
-        return ops.silu_mul_forward(_rows(gate), _rows(up), activation).view(gate.shape)
+        return route.silu_mul_forward(_rows(gate), _rows(up), activation).view(gate.shape)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -170,13 +171,13 @@ class SiluMulFunction(LeanApplyFunction):
     @once_differentiable
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
-        dgate, dup = ops.silu_mul_backward(_rows(gate), _rows(up), _rows(dh), ctx.activation)
+        dgate, dup = route.silu_mul_backward(_rows(gate), _rows(up), _rows(dh), ctx.activation)
         return dgate.view(gate.shape), dup.view(up.shape), None
 
     @staticmethod
     def vmap(info, in_dims, gate, up, activation):
         # Elementwise: give both the batch dim in front; the rows fold into one launch.
-        batched = [ops.batch_first(info, t, d) for t, d in zip((gate, up), in_dims)]
+        batched = [batch_first(info, t, d) for t, d in zip((gate, up), in_dims)]
         return SiluMulFunction.apply(*batched, activation), 0
 
 

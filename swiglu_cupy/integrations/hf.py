@@ -60,7 +60,6 @@ from torch import nn
 from .._dtypes import SUPPORTED_DTYPES
 from .._validation import check_flags
 from ..activations import SILU
-from ..dense.module import SwiGLU
 from ..reference import glu_reference
 from . import hf_experts  # noqa: F401  (registers "swiglu_cupy" with transformers' ExpertsInterface)
 from .forward import linear_obstacle, run_plan

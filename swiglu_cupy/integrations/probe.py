@@ -123,4 +123,4 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
     roles = cands.plans[0].describe().split(" -> ")[0]
     return None, (f"probe mismatch: its forward is not down(act(gate) * up) with the roles its names "
                   f"state ({roles}) and {', '.join(kinds)}" if cands.named else
-                  f"probe mismatch: no role assignment and known activation reproduces its forward")
+                  "probe mismatch: no role assignment and known activation reproduces its forward")

@@ -21,7 +21,7 @@ Choosing a config for a call (the entry point for ``bench --sweep-launch``)::
         with using_launch_config(config):   # this thread, this block only
             primitives.swiglu_forward(x12, out=h)   # any kernel-path call
 
-The kernel-path functions in ``swiglu_cupy.primitives.kernels`` also take
+The kernel-path functions in ``swiglu_cupy.primitives.cuda_impl`` also take
 ``launch_config=`` directly. To make a measured winner the default, change
 ``DEFAULT_LAUNCH`` below (its ``repr`` is the line to write).
 """

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._dtypes import FULL_PRECISION_DTYPES, SUPPORTED_DTYPES  # noqa: F401 (re-exported)
+from .._dtypes import SUPPORTED_DTYPES  # noqa: F401 (re-exported: kernels.sources.SUPPORTED_DTYPES)
 from .._version import __version__
 from ..activations import KINDS, GLUActivation
 from .launch_config import MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD

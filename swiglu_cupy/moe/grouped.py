@@ -31,7 +31,7 @@ where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
 row strides and base pointers 16-byte aligned (its CPU kernel refuses the
 rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
 plain GEMM, after one device-to-host copy of the offsets. The activation is
-one fused launch over all routed rows (``primitives.run_swiglu_forward``),
+one fused launch over all routed rows (``primitives.run.run_swiglu_forward``),
 whatever E is; the backward is one fused pass too.
 
 Expert parallelism: rows past ``offsets[-1]`` may be an expert-parallel
@@ -50,9 +50,8 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
-from .._validation import Role
 from ..activations import GLUActivation, resolve_activation
-from ..primitives import run_swiglu_backward, run_swiglu_forward
+from ..primitives import run
 from ..primitives.ops import spec_args
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
@@ -176,7 +175,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
     groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
     x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
     # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
-    h = run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+    h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -205,7 +204,7 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to
     # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
     # row blocks instead of joining two halves afterwards).
-    dx12, h = run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
+    dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
     dx = dw12 = db12 = dw3 = db3 = drw = None
     if g is not None:
         drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)

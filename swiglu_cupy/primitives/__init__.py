@@ -43,44 +43,12 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.launch import cuda_kernels_available
-from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
 from .._validation import check_gate, check_like, check_x12
-from ..activations import SILU, resolve_activation
-from ..kernels.launch_config import forced_launcher
-from . import torch_impl
-from . import cuda_impl as kernels
+from ..activations import resolve_activation
+from .run import run_silu_mul_backward, run_silu_mul_forward, run_swiglu_backward, run_swiglu_forward
 
-__all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward"]
-
-
-def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
-    """The caller's buffer, or a new one: the torch implementation writes
-    given buffers in one pass per output (its functional form, with no
-    buffers, is for tracers)."""
-    return torch.empty(shape, dtype=like.dtype, device=like.device) if out is None else out
-
-
-def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor | None:
-    """Like ``_or_new`` for fp16/bf16, where the buffered store saves a
-    rounding pass; fp32/fp64 outputs come as fast from the functional op,
-    without the allocation call."""
-    return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
-
-
-def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
-    """The launcher to run the kernels with (None: the CuPy one), or False
-    for the torch implementation."""
-    if implementation not in (None, "torch", "kernels"):
-        raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
-    if implementation == "torch":
-        return False
-    forced = forced_launcher()
-    if launcher is not None or forced is not None:
-        return launcher if launcher is not None else forced
-    if implementation == "kernels" or (x12.is_cuda and cuda_kernels_available()):
-        return None
-    return False
+__all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
+           "run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward"]
 
 
 def swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -138,38 +106,3 @@ def _halves_only(activation):
     return spec
 
 
-# The same four without the argument checks, for callers whose inputs are
-# valid by construction (the Functions, after the API's one validation pass):
-# the checks are a measurable part of a small call's host time.
-
-def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(x12, implementation, launcher)
-    if launcher is not False:
-        return kernels.launch_swiglu_forward(x12, out, launcher, activation=activation)
-    return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12),
-                                           activation)
-
-
-def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None, activation=SILU):
-    launcher = _kernel_launcher(x12, implementation, launcher)
-    if launcher is not False:
-        return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher, activation=activation)
-    return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
-                                            h_out=_or_new(None, tuple(dh.shape), x12), activation=activation)
-
-
-def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(gate, implementation, launcher)
-    if launcher is not False:
-        return kernels.launch_silu_mul_forward(gate, up, out, launcher, activation=activation)
-    return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate), activation)
-
-
-def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None,
-                          activation=SILU):
-    launcher = _kernel_launcher(gate, implementation, launcher)
-    if launcher is not False:
-        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher, activation=activation)
-    shape = gate.shape
-    return torch_impl.silu_mul_backward_torch(gate, up, dh, _or_new(dgate_out, shape, gate),
-                                             _or_new(dup_out, shape, gate), activation)

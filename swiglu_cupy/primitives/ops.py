@@ -4,8 +4,8 @@ view that tracers and program transforms get of them.
 Each op wraps one plain function below, so there is one implementation
 (the primitives' ``run_*`` entry points: the arguments were validated once,
 by the public API):
-- eager calls use the plain function directly (the custom-op dispatcher
-  costs ~13 us per call);
+- eager calls never come here: ``route`` sends them to ``run`` directly
+  (the custom-op dispatcher costs ~13 us per call);
 - torch.compile / torch.export trace the op: it stays in the graph as
   ``torch.ops.swiglu_cupy.*`` and runs our kernels (fake impls give shapes);
 - torch.func (vmap, grad, jacrev) reaches the op whenever a tensor carries a
@@ -21,9 +21,7 @@ by the public API):
 The GLU variant travels as five plain op arguments (``kind: str``,
 ``limit: float?``, ``alpha: float``, ``up_offset: float``, ``interleaved:
 bool``; ``spec_args``), so a traced or exported graph records it as
-constants; the dispatch functions below take the ``GLUActivation`` itself.
-An interleaved x12 never takes h over itself (``forward_inplace`` then
-returns a new h): independent threads cannot compact the pairs in place.
+constants; ``route`` takes the ``GLUActivation`` itself.
 """
 from __future__ import annotations
 
@@ -32,17 +30,10 @@ from typing import Optional
 
 import torch
 
-from .. import primitives
-from .._torch_compat import is_functorch_wrapped as _is_wrapped
 from .._torch_compat import register_global_decomposition
-from ..activations import SILU, GLUActivation
-from . import torch_impl
-
-
-def is_transformed(t: torch.Tensor) -> bool:
-    """True if ``t`` is wrapped by a torch.func transform (vmap/grad level).
-    Tracers see through such wrappers (and cannot call this check)."""
-    return not torch.compiler.is_compiling() and _is_wrapped(t)
+from ..activations import GLUActivation
+from . import run, torch_impl
+from .run import batch_first, gate_half, h_over_gate
 
 
 def spec_args(spec: GLUActivation) -> tuple:
@@ -57,17 +48,6 @@ def _spec(kind: str = "silu", limit: Optional[float] = None, alpha: float = 1.0,
     return GLUActivation(kind, limit, alpha, up_offset, interleaved)
 
 
-def _gate_half(x12: torch.Tensor) -> torch.Tensor:
-    return x12.chunk(2, 1)[0]
-
-
-def _h_over_gate(x12: torch.Tensor, spec: GLUActivation) -> torch.Tensor:
-    """h = act(gate) * up written over the gate half of x12 (the silu_mul
-    primitive on x12's two halves); returns that strided [M, H] view."""
-    gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
-    return primitives.run_silu_mul_forward(gate, up, gate, activation=spec)
-
-
 # ---- plain bodies (one implementation each) -------------------------------------------------
 # Each takes the tensors, then the spec's five arguments (see spec_args),
 # which default to SwiGLU's.
@@ -75,20 +55,20 @@ def _h_over_gate(x12: torch.Tensor, spec: GLUActivation) -> torch.Tensor:
 def _swiglu_forward_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
                          alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
                          ) -> torch.Tensor:
-    return primitives.run_swiglu_forward(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return run.run_swiglu_forward(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_forward_inplace_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
                                  alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
                                  ) -> None:
     """Writes h over the gate half of x12 (no-grad path; halves layout only)."""
-    _h_over_gate(x12, _spec(kind, limit, alpha, up_offset, interleaved))
+    h_over_gate(x12, _spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_backward_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
                           limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                           interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return primitives.run_swiglu_backward(x12, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return run.run_swiglu_backward(x12, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
@@ -96,20 +76,20 @@ def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor, kind: str
                                   interleaved: bool = False) -> torch.Tensor:
     """Writes dx12 over x12 and returns the recomputed h."""
     spec = _spec(kind, limit, alpha, up_offset, interleaved)
-    return primitives.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
+    return run.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
 
 
 def _silu_mul_forward_body(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu",
                            limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                            interleaved: bool = False) -> torch.Tensor:
-    return primitives.run_silu_mul_forward(gate, up, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return run.run_silu_mul_forward(gate, up, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _silu_mul_backward_body(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
                             limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec(kind, limit, alpha, up_offset, interleaved)
-    return primitives.run_silu_mul_backward(gate, up, dh, activation=spec)
+    return run.run_silu_mul_backward(gate, up, dh, activation=spec)
 
 
 # ---- registration ---------------------------------------------------------------------------
@@ -183,11 +163,6 @@ swiglu_forward_op.register_autograd(_swiglu_forward_grad, setup_context=_save_te
 silu_mul_forward_op.register_autograd(_silu_mul_forward_grad, setup_context=_save_tensors_and_spec(2))
 
 
-def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
-    """``t`` with its vmap batch (at ``dim``, or none: then broadcast) as dim 0."""
-    return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
-
-
 def _rows_with_batch(info, t: torch.Tensor, dim) -> torch.Tensor:
     """[M, C] with a vmap batch at ``dim`` (or none) -> [B * M, C], batch first."""
     return batch_first(info, t, dim).reshape(-1, t.shape[-1])
@@ -219,7 +194,7 @@ def _forward_aten(x12, *spec, **named):
 
 
 def _forward_inplace_aten(x12, *spec, **named):
-    _gate_half(x12).copy_(_forward_aten(x12, *spec, **named))
+    gate_half(x12).copy_(_forward_aten(x12, *spec, **named))
 
 
 def _backward_aten(x12, dh, *spec, **named):
@@ -285,76 +260,3 @@ def register_onnx_decompositions() -> None:
         _registered_for_onnx = True
         for overload, aten in _functional_aten().items():
             register_global_decomposition(overload, aten)
-
-
-# ---- dispatch: plain function, registered op, or aten math ----------------------------------
-
-def _route(*tensors: torch.Tensor) -> str:
-    if torch.compiler.is_compiling():
-        if not _registered_for_onnx and torch.compiler.is_exporting():
-            register_onnx_decompositions()
-        # ONNX has no operator for ours: hand it aten math it can translate.
-        return "aten" if torch.onnx.is_in_onnx_export() else "op"
-    return "op" if any(_is_wrapped(t) for t in tensors) else "eager"
-
-
-def forward(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
-    route = _route(x12)
-    if route == "aten":
-        return torch_impl.swiglu_forward_torch(x12, None, spec)
-    if route == "op":
-        return swiglu_forward_op(x12, *spec_args(spec))
-    return primitives.run_swiglu_forward(x12, activation=spec)
-
-
-def forward_inplace(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
-    """h written over the gate half of x12; returns that strided [M, H] view
-    (an interleaved x12: a new h, see the module docstring)."""
-    if spec.interleaved:
-        return forward(x12, spec)
-    route = _route(x12)
-    if route == "aten":
-        return torch_impl.swiglu_forward_torch(x12, None, spec)  # functional: nothing to save there
-    if route == "op":
-        if torch.compiler.is_exporting():
-            # An exported program must hold functional ops only: the mutating op would
-            # be wrapped in auto_functionalized_v2, which neither ONNX nor
-            # aten_decompositions() can translate. torch.compile keeps the in-place op
-            # (Inductor re-inplaces it).
-            return swiglu_forward_op(x12, *spec_args(spec))
-        swiglu_forward_inplace_op(x12, *spec_args(spec))
-        return _gate_half(x12)
-    return _h_over_gate(x12, spec)
-
-
-def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool, spec: GLUActivation = SILU
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    route = _route(x12, dh)
-    if route == "aten":
-        return torch_impl.swiglu_backward_torch(x12, dh, activation=spec)
-    if route == "op":
-        if inplace:
-            return x12, swiglu_backward_inplace_op(x12, dh, *spec_args(spec))
-        return swiglu_backward_op(x12, dh, *spec_args(spec))
-    if inplace:
-        return x12, primitives.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
-    return primitives.run_swiglu_backward(x12, dh, activation=spec)
-
-
-def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
-    route = _route(gate, up)
-    if route == "aten":
-        return torch_impl.silu_mul_forward_torch(gate, up, None, spec)
-    if route == "op":
-        return silu_mul_forward_op(gate, up, *spec_args(spec))
-    return primitives.run_silu_mul_forward(gate, up, activation=spec)
-
-
-def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SILU
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    route = _route(gate, up, dh)
-    if route == "aten":
-        return torch_impl.silu_mul_backward_torch(gate, up, dh, activation=spec)
-    if route == "op":
-        return silu_mul_backward_op(gate, up, dh, *spec_args(spec))
-    return primitives.run_silu_mul_backward(gate, up, dh, activation=spec)
