@@ -29,7 +29,9 @@ def _cli(*args, timeout=240, pythonpath=None):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    proc = _cli("bench", "--device", "cpu", "--out", str(out))
+    # A hang guard, not a speed check: on CPUs without bf16 instructions (AMD Zen 2/3) the bf16
+    # CPU-path cases alone take ~5 minutes (bf16 GEMMs ~7x slower than fp32).
+    proc = _cli("bench", "--device", "cpu", "--out", str(out), timeout=900)
     return proc, out
 
 
@@ -139,6 +141,8 @@ def test_custom_shape_and_sweep_without_matplotlib(tmp_path):
     assert report["plot"] is None and "matplotlib" in report["plot_missing_reason"]
     shapes = [(r["shape"]["D"], r["shape"]["H"], r["shape"]["M"], r["shape"]["dtype"]) for r in report["results"]]
     assert shapes == [(32, 40, 3, "fp32"), (32, 40, 5, "fp32"), (32, 40, 3, "fp16"), (32, 40, 5, "fp16")]
+    # --dtype also picks the CPU-path ratios' dtypes: fp32 only here (bf16 is not named).
+    assert [(c["what"], c["dtype"]) for c in report["cpu_path"]["cases"]] == [("fwd_bwd", "fp32"), ("nograd_fwd", "fp32")]
     for res in report["results"]:
         assert res["contenders"]["torch_compile"]["reason"] == "skipped (--skip)"
         assert res["contenders"]["swiglu_cupy"]["available"]

@@ -139,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
         print("note: --quick is a GPU preset; on CPU the smoke configuration runs", file=sys.stderr)
 
     dtypes = list(dict.fromkeys(s.dtype for s in shapes))
-    cpu_path_steps = 2 * len(CPU_PATH_DTYPES) if device.type == "cpu" else 0
+    # The CPU-path ratios run the dtypes --dtype names among theirs (all of them by default).
+    cpu_path_dtypes = [d for d in CPU_PATH_DTYPES if not args.dtype or d in args.dtype]
+    cpu_path_steps = 2 * len(cpu_path_dtypes) if device.type == "cpu" else 0
     total = len(shapes) * (len(CONTENDERS) + 2) + 1 + len(OVERHEAD_MODES) + cpu_path_steps + len(dtypes)
     step = [0]
     start = time.perf_counter()
@@ -165,9 +167,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         report["copy"] = {"gbps": None, "error": f"failed: {short_error(exc)}"}
     report["host_overhead"] = [bench_overhead(clock, settings, skip, progress)]
-    if device.type == "cpu":
+    if device.type == "cpu" and not cpu_path_dtypes:
+        report["cpu_path"] = {"error": f"not measured: --dtype names none of {', '.join(CPU_PATH_DTYPES)}"}
+    elif device.type == "cpu":
         try:
-            report["cpu_path"] = bench_cpu_path(clock, settings, progress)
+            report["cpu_path"] = bench_cpu_path(clock, settings, progress, dtypes=cpu_path_dtypes)
         except Exception as exc:
             report["cpu_path"] = {"error": f"failed: {short_error(exc)}"}
     else:
