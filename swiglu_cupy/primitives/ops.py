@@ -231,7 +231,6 @@ def aten_decompositions() -> dict:
     ``ExportedProgram.run_decompositions(table)`` when a consumer needs plain
     aten ops (the torch implementation of the primitives: same math, same
     single rounding, for every GLU variant)."""
-    register_onnx_decompositions()
     ops = torch.ops.swiglu_cupy
     return {
         **_functional_aten(),
@@ -243,20 +242,11 @@ def aten_decompositions() -> dict:
 # torch.onnx.export(exported_program) has no ONNX translation for our ops; it
 # decomposes every op that torch's global decomposition table holds, so the
 # functional ops are registered there (exported programs hold no in-place op:
-# see forward_inplace). Not at import (importing swiglu_cupy leaves torch's
-# tables alone): when an export first traces one of our ops, or when asked.
-# torch.export's default decompositions and Inductor's table are separate
-# lists: they keep our ops (and our kernels).
-_registered_for_onnx = False
-
-
-def register_onnx_decompositions() -> None:
-    """Put the functional ops' aten math into torch's global decomposition
-    table, where ``torch.onnx.export(exported_program)`` looks (idempotent).
-    Done by itself when a ``torch.export`` trace reaches our ops; call it
-    before exporting a program loaded in a fresh process (``torch.export.load``)."""
-    global _registered_for_onnx
-    if not _registered_for_onnx:
-        _registered_for_onnx = True
-        for overload, aten in _functional_aten().items():
-            register_global_decomposition(overload, aten)
+# see route.forward_inplace), here at import, once. It must happen before
+# Inductor first builds its tables: torch 2.11's Inductor refuses an op that
+# gained a global decomposition after it made the op a fallback (registering
+# at the first export trace broke torch.compile there). torch.export's default
+# decompositions and Inductor's table are separate lists: they keep our ops
+# (and our kernels).
+for _overload, _aten in _functional_aten().items():
+    register_global_decomposition(_overload, _aten)

@@ -19,8 +19,6 @@ __all__ = ["forward", "forward_inplace", "backward", "silu_mul_forward", "silu_m
 
 def _route(*tensors: torch.Tensor) -> str:
     if torch.compiler.is_compiling():
-        if torch.compiler.is_exporting():
-            ops.register_onnx_decompositions()
         # ONNX has no operator for ours: hand it aten math it can translate.
         return "aten" if torch.onnx.is_in_onnx_export() else "op"
     return "op" if any(_is_wrapped(t) for t in tensors) else "eager"
