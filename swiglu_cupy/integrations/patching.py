@@ -185,16 +185,15 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 report.classes[path] = type(module).__name__
                 report.fused[path] = patch_xformers_module(module)
             continue
-        experts_note = patch_torchtitan_experts(module, recompute_gate_up) if "torchtitan" in families else None
-        experts_skip = None if experts_note is not None else torchtitan_experts_skip_reason(module)
-        if experts_note is not None or experts_skip is not None or is_torchtitan_experts(module):
+        if is_torchtitan_experts(module):
             done.append(path)
             if "torchtitan" in families:
                 report.classes[path] = torchtitan_base(module).__name__
-                if experts_note is not None:
-                    report.fused[path] = experts_note
-                else:
-                    report.skipped[path] = experts_skip
+                note = patch_torchtitan_experts(module, recompute_gate_up)
+                if note is not None:
+                    report.fused[path] = note
+                else:  # patch_torchtitan_experts refuses exactly when there is a reason
+                    report.skipped[path] = torchtitan_experts_skip_reason(module)
             continue
         cands = hf_candidates(module)
         family = "hf"
