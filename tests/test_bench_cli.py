@@ -29,9 +29,9 @@ def _cli(*args, timeout=240, pythonpath=None):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    # A hang guard, not a speed check: on CPUs without bf16 instructions (AMD Zen 2/3) the bf16
-    # CPU-path cases alone take ~5 minutes (bf16 GEMMs ~7x slower than fp32).
-    proc = _cli("bench", "--device", "cpu", "--out", str(out), timeout=900)
+    # --quick: the CPU-path ratios at a small M (the full M=2048 bf16 cases take ~5 minutes on CPUs
+    # without bf16 instructions). The limit is a hang guard, not a speed check.
+    proc = _cli("bench", "--device", "cpu", "--quick", "--out", str(out), timeout=900)
     return proc, out
 
 
@@ -86,7 +86,7 @@ def test_cpu_bench_json(cpu_run):
     assert report["copy"]["gbps"] > 0
     overhead = report["host_overhead"][0]
     assert overhead["shape"] == {"D": 64, "H": 64, "M": 1, "dtype": "fp32"}
-    assert (overhead["calls"], overhead["rounds"], overhead["reference"]) == (300, 7, "eager_hf")
+    assert (overhead["calls"], overhead["rounds"], overhead["reference"]) == (300, 3, "eager_hf")  # --quick
     for mode in ("grad", "no_grad"):
         timings, ratios = overhead["us_per_call"][mode], overhead["ratio_vs_reference"][mode]
         assert set(timings) == {LOWER_BOUND, *CONTENDERS}
@@ -95,11 +95,12 @@ def test_cpu_bench_json(cpu_run):
                 assert overhead["null_reasons"][name], (mode, name)
                 continue
             _positive_stats(us, f"{mode}.{name}")
-            assert us["n"] == 7
+            assert us["n"] == 3
             assert ratios[name] == pytest.approx(us["median"] / timings["eager_hf"]["median"])
         assert ratios["eager_hf"] == 1.0 and ratios["swiglu_cupy"] > 0
     cpu_path = report["cpu_path"]
-    assert cpu_path["shape"] == {"D": 512, "H": 1408, "M": 2048} and cpu_path["threads"] == 1
+    assert cpu_path["shape"] == {"D": 512, "H": 1408, "M": 256} and cpu_path["threads"] == 1
+    assert cpu_path["rounds"] == 3
     assert [(c["what"], c["dtype"]) for c in cpu_path["cases"]] == [
         ("fwd_bwd", "fp32"), ("nograd_fwd", "fp32"), ("fwd_bwd", "bf16"), ("nograd_fwd", "bf16")]
     for case in cpu_path["cases"]:
@@ -179,6 +180,13 @@ def test_resolve_cpu_defaults_to_the_smoke_configuration():
     assert shapes == [Shape("smoke", 64, 176, 32, "fp32")]
     assert settings == Settings(device="cpu", quick=False, warmup=1, repeats=3, overhead_calls=300, copy_mib=32,
                                 ratio_rounds=7)
+
+
+def test_resolve_cpu_quick_shrinks_only_the_cpu_path_ratios():
+    shapes, settings = _resolve("--device", "cpu", "--quick")
+    assert shapes == [Shape("smoke", 64, 176, 32, "fp32")]
+    assert settings == Settings(device="cpu", quick=True, warmup=1, repeats=3, overhead_calls=300, copy_mib=32,
+                                ratio_rounds=3, cpu_path_tokens=256)
 
 
 def test_resolve_sweeps_dtype_then_shape_then_tokens_and_overrides_counts():

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from .compile_probe import bench_compile
-from .config import CPU_PATH_DTYPES, DTYPES, PRESETS, SMOKE_SHAPE, Settings, Shape
+from .config import CPU_PATH_DTYPES, CPU_PATH_QUICK_TOKENS, CPU_PATH_SHAPE, DTYPES, PRESETS, SMOKE_SHAPE, Settings, Shape
 from .contenders import CONTENDERS, LABELS, LOWER_BOUND
 from .environment import environment
 from .measure import OVERHEAD_MODES, Clock, bench_copy, bench_cpu_path, bench_overhead, bench_shape, short_error
@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="cuda, or cpu for a tiny smoke run (default: cuda when available)")
     p.add_argument("--quick", action="store_true",
-                   help="llama7b and llama3-8b, bf16, 8192 tokens, few repeats (a few minutes on one GPU)")
+                   help="llama7b and llama3-8b, bf16, 8192 tokens, few repeats (a few minutes on one GPU); "
+                        f"on CPU: every ratio over 3 rounds, the CPU-path ones at M={CPU_PATH_QUICK_TOKENS} (a look, "
+                        "not a measurement)")
     p.add_argument("--repeats", type=_positive_int, help="timed repeats per measurement")
     p.add_argument("--warmup", type=_non_negative_int, help="untimed warm-up calls per measurement")
     p.add_argument("--skip", nargs="+", choices=list(CONTENDERS), default=[], metavar="NAME",
@@ -99,8 +101,10 @@ def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
         tokens = [2048, 8192] if not on_cpu else [SMOKE_SHAPE[2]]
     dtypes = args.dtype or ([SMOKE_SHAPE[3]] if on_cpu else ["bf16"])
     shapes = [Shape(name, D, H, M, dt) for dt in dtypes for (name, D, H) in dims for M in tokens]
-    if on_cpu:
-        settings = Settings(device, args.quick, 1, 3, 300, 32)
+    if on_cpu and args.quick:
+        settings = Settings(device, True, 1, 3, 300, 32, ratio_rounds=3, cpu_path_tokens=CPU_PATH_QUICK_TOKENS)
+    elif on_cpu:
+        settings = Settings(device, False, 1, 3, 300, 32)
     elif args.quick:
         settings = Settings(device, True, 3, 10, 300, 512)
     else:
@@ -136,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
         # small CPU timings swing by orders of magnitude.
         torch.set_num_threads(1)
     if device.type == "cpu" and args.quick:
-        print("note: --quick is a GPU preset; on CPU the smoke configuration runs", file=sys.stderr)
+        print(f"note: --quick on CPU: the smoke configuration, every ratio over {settings.ratio_rounds} rounds, "
+              f"the CPU-path ones at M={settings.cpu_path_tokens} (a look, not a measurement)",
+              file=sys.stderr)
 
     dtypes = list(dict.fromkeys(s.dtype for s in shapes))
     # The CPU-path ratios run the dtypes --dtype names among theirs (all of them by default).
@@ -171,7 +177,8 @@ def run(args: argparse.Namespace) -> int:
         report["cpu_path"] = {"error": f"not measured: --dtype names none of {', '.join(CPU_PATH_DTYPES)}"}
     elif device.type == "cpu":
         try:
-            report["cpu_path"] = bench_cpu_path(clock, settings, progress, dtypes=cpu_path_dtypes)
+            report["cpu_path"] = bench_cpu_path(clock, settings, progress, dtypes=cpu_path_dtypes,
+                                                 shape=(*CPU_PATH_SHAPE[:2], settings.cpu_path_tokens))
         except Exception as exc:
             report["cpu_path"] = {"error": f"failed: {short_error(exc)}"}
     else:

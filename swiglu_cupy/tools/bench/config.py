@@ -15,6 +15,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SMOKE_SHAPE = (64, 176, 32, "fp32")         # D, H, M, dtype: the CPU smoke configuration
 OVERHEAD_SHAPE = (64, 64, 1, "fp32")        # D, H, M, dtype for the host-overhead measurement
 CPU_PATH_SHAPE = (512, 1408, 2048)          # D, H, M for the CPU-path ratios (bench --device cpu)
+CPU_PATH_QUICK_TOKENS = 256                 # M of the CPU-path ratios under --quick (a look, not a measurement)
 CPU_PATH_DTYPES = ("fp32", "bf16")
 RATIO_REFERENCE = "eager_hf"                # ratios are ours / this contender
 # Issue 11's goals for ours / eager HF, printed next to each measured ratio.
@@ -44,3 +45,4 @@ class Settings:
     overhead_calls: int     # calls per timed block of the host-overhead measurement
     copy_mib: int
     ratio_rounds: int = 7   # interleaved rounds behind each ratio's medians
+    cpu_path_tokens: int = CPU_PATH_SHAPE[2]  # M of the CPU-path ratios
