@@ -167,3 +167,53 @@ def test_autocast_cpu_bf16_computes_in_bf16_with_param_dtype_grads():
         assert_nontrivial(p.grad, "autocast grad")
     ref = swiglu_fp64_reference(x, *params)
     assert rel_rms(y, ref) < 2e-2  # bf16 inputs, weights and outputs
+
+
+# ---- silu_mul on DTensors (tensor parallelism's column-parallel gate and up) ----------------
+
+def run_silu_mul_dtensor_rank(case, rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)  # every rank the same full tensors
+    gate_full, up_full, dh_full = (torch.randn(6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    gate, up = (distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (gate_full, up_full))
+    h = sc.silu_mul(gate, up)
+    assert isinstance(h, DTensor) and tuple(h.placements) == (Shard(1),) and h.to_local().shape == (6, 8 // world)
+    h.backward(distribute_tensor(dh_full, mesh, [Shard(1)]))
+    out = {"h": h.full_tensor(), "dgate": gate.grad.full_tensor(), "dup": up.grad.full_tensor()}
+    errors = {}
+    for what, (g, u) in {
+        "mixed": (distribute_tensor(gate_full, mesh, [Shard(1)]), up_full),
+        "layouts": (distribute_tensor(gate_full, mesh, [Shard(1)]), distribute_tensor(up_full, mesh, [Replicate()])),
+        "partial": (DTensor.from_local(gate_full, mesh, [Partial()]), DTensor.from_local(up_full, mesh, [Partial()])),
+    }.items():
+        try:
+            sc.silu_mul(g, u)
+            errors[what] = None
+        except (TypeError, ValueError) as exc:
+            errors[what] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+def test_silu_mul_on_dtensors_is_shard_by_shard(tmp_path, monkeypatch):
+    """Column-sharded DTensor gate/up (2 gloo ranks): the product is a DTensor
+    laid out alike, its values and gradients those of the full tensors; mixed
+    arguments, different layouts and Partial sums are refused by name."""
+    import rank_launcher
+
+    gen = torch.Generator().manual_seed(0)
+    gate, up, dh = (torch.randn(6, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    gate.requires_grad_(), up.requires_grad_()
+    h = F.silu(gate) * up
+    h.backward(dh)
+    for out in rank_launcher.launch(run_silu_mul_dtensor_rank, None, tmp_path, monkeypatch, 2, 120):
+        torch.testing.assert_close(out["h"], h.detach(), rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(out["dgate"], gate.grad, rtol=1e-14, atol=1e-14)
+        torch.testing.assert_close(out["dup"], up.grad, rtol=1e-14, atol=1e-14)
+        errors = out["errors"]
+        assert "up must be a DTensor" in errors["mixed"]
+        assert "up must be laid out as gate" in errors["layouts"]
+        assert "must not be Partial" in errors["partial"]

@@ -9,6 +9,7 @@ recorded, the same forward pass runs without the Function.
 from __future__ import annotations
 
 import importlib
+import sys
 
 import torch
 
@@ -117,7 +118,8 @@ def silu_mul(gate, up, activation="silu"):
 
     ``gate`` and ``up``: one shape ``[..., H]``, one dtype (float16, bfloat16,
     float32 or float64), one device. torch tensors go through the apply-only
-    ``SiluMulFunction`` (autograd, checkpointing, torch.compile, torch.func).
+    ``SiluMulFunction`` (autograd, checkpointing, torch.compile, torch.func);
+    DTensors laid out alike (not Partial) run on their local shards.
     Any other array that exports DLPack (``__dlpack__``: NumPy on the CPU,
     CuPy on a GPU) is read without a copy and the result comes back as the
     same kind of array (no autograd there).
@@ -131,6 +133,9 @@ def silu_mul(gate, up, activation="silu"):
         library = _from_dlpack_module(gate)
         h = silu_mul(torch.from_dlpack(gate), torch.from_dlpack(up), spec)
         return library.from_dlpack(h.detach())
+    dtensor = _dtensor_class()
+    if dtensor is not None and (isinstance(gate, dtensor) or isinstance(up, dtensor)):
+        return _silu_mul_shard_by_shard(dtensor, gate, up, spec)
     for name, t in (("gate", gate), ("up", up)):
         check.check_tensor(name, t, _SILU_MUL_ROLES[name])
     if gate.dim() < 1:
@@ -142,6 +147,32 @@ def silu_mul(gate, up, activation="silu"):
     if up.dtype != gate.dtype:
         raise TypeError(f"up must have the dtype of gate ({gate.dtype}), got {up.dtype}")
     return SiluMulFunction.apply(gate, up, spec)
+
+
+def _dtensor_class():
+    """DTensor, if torch.distributed.tensor is loaded (else no tensor can be one)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _silu_mul_shard_by_shard(dtensor: type, gate, up, spec):
+    """An elementwise product of two DTensors laid out alike (a column-parallel
+    gate and up, as tensor parallelism makes them) is the product of their
+    local shards, laid out alike again; autograd goes through to_local /
+    from_local. Partial sums cannot be activated shard by shard."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, dtensor):
+            raise TypeError(f"{name} must be a DTensor like the other argument, got {type(t).__name__}")
+    if gate.device_mesh != up.device_mesh or tuple(gate.placements) != tuple(up.placements):
+        raise ValueError(f"up must be laid out as gate (mesh {gate.device_mesh}, placements {gate.placements}), "
+                         f"got mesh {up.device_mesh}, placements {up.placements}")
+    if any(p.is_partial() for p in gate.placements):
+        raise ValueError(f"gate and up must not be Partial DTensors (placements {gate.placements}): the "
+                         "activation is not linear; redistribute them to Shard or Replicate first")
+    if gate.shape != up.shape:
+        raise ValueError(f"up must have the shape of gate {tuple(gate.shape)}, got {tuple(up.shape)}")
+    h = silu_mul(gate.to_local(), up.to_local(), spec)
+    return dtensor.from_local(h, gate.device_mesh, gate.placements, run_check=False, shape=gate.shape,
+                              stride=gate.stride())
 
 
 def glu_mul(gate, up, activation="silu"):
