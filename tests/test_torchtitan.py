@@ -84,6 +84,8 @@ def run(model, toks):
     """Logits and every parameter gradient of a next-token loss."""
     model.zero_grad(set_to_none=True)
     logits = model(toks)
+    if hasattr(logits, "full_tensor"):  # under TP: a DTensor sharded over the vocabulary
+        logits = logits.full_tensor()
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), toks[:, 1:].flatten())
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -99,7 +101,8 @@ def rel(a: torch.Tensor, e: torch.Tensor) -> float:
 def _fp32_experts_forward(self, x_RD, num_tokens_per_expert_E):
     """Our own fp64 reference of a GroupedExperts (a loop over experts), the
     "same experts computed in full precision" the bf16 tolerance is sized by."""
-    w1, w2, w3 = self.w1_EFD.double(), self.w2_EDF.double(), self.w3_EFD.double()
+    # Under EP the weights are DTensors: their local experts, as torchtitan's forward takes them.
+    w1, w2, w3 = (getattr(w, "to_local", lambda: w)().double() for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
     x = x_RD.double()
     out, start = torch.zeros_like(x), 0
     for e, n in enumerate(num_tokens_per_expert_E.tolist()):
@@ -223,12 +226,99 @@ def test_experts_patched_on_meta_then_materialized(name):
     """GroupedExperts are switched from their class (no probe): on meta too."""
     with torch.device("meta"):
         model = model_config(name).build()
-    notes = [sctt.patch_torchtitan_experts(m) for m in model.modules() if isinstance(m, GroupedExperts)]
+    notes = [sctt.patch_torchtitan_class(m) for m in model.modules() if isinstance(m, GroupedExperts)]
     assert notes and all(notes)
     materialize(model)
     reference = build(name)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
     compare(name, model, reference, tokens(model), full_precision_experts(reference))
+
+
+FUSED_OVERRIDES = ["torchtitan.overrides.fused_swiglu.fused_swiglu",
+                   "torchtitan.overrides.fused_swiglu.fused_grouped_experts"]
+
+
+def _split_w13(grads):
+    """Gradients of a model with torchtitan's fused w13 parameters, named as
+    the stock model's (w13[:, 0] / w13[:, :, 0] is the gate w1, index 1 the up w3)."""
+    out = {}
+    for n, g in grads.items():
+        if n.endswith(".w13") and g.dim() == 3:      # FusedSwiGLU: [F, 2, D]
+            out[n[:-3] + "w1.weight"], out[n[:-3] + "w3.weight"] = g[:, 0], g[:, 1]
+        elif n.endswith(".w13"):                     # FusedGroupedExperts: [E, F, 2, D]
+            out[n[:-3] + "w1_EFD"], out[n[:-3] + "w3_EFD"] = g[:, :, 0], g[:, :, 1]
+        else:
+            out[n] = g
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+def test_fused_swiglu_overrides_patched(name):
+    """torchtitan's own fused_swiglu overrides (FusedSwiGLU: one w13 [F, 2, D]
+    gate/up parameter; FusedGroupedExperts: w13 [E, F, 2, D]), applied with
+    its override mechanism, built on meta, patched there (decided from the
+    class), then materialized with its init: every one fused, and the model
+    matches the stock model holding the same weights (their state_dict hooks
+    save w13 as w1/w3). Their own forwards are CUDA-only (Triton)."""
+    from torchtitan.config.override import OverrideConfig, apply_overrides
+    from torchtitan.overrides.fused_swiglu import FusedGroupedExperts, FusedSwiGLU
+
+    cfg = model_config(name)
+    assert apply_overrides(OverrideConfig(imports=FUSED_OVERRIDES), cfg)
+    with torch.device("meta"):
+        model = cfg.build()
+    report = sc.patch(model)
+    materialize(model)
+    fused = [m for m in model.modules() if isinstance(m, (FusedSwiGLU, FusedGroupedExperts))]
+    assert fused and len(report.fused) == len(fused), str(report)
+    assert not report.partial and not report.skipped and not report.pending, str(report)
+    assert all(type(m).__name__.startswith("SwiGLUCupy") for m in fused)
+    model.verify_module_protocol()
+    stock = build(name)
+    stock.load_state_dict(model.state_dict())
+    ref = run(full_precision_experts(stock), tokens(stock)) if name in MOE else (None, {})
+    calls = _count_fused_calls()
+    logits, grads = run(model, tokens(model))
+    assert calls["swiglu"] > 0 and calls["glu_mul"] == 0 and (name not in MOE or calls["grouped_experts"]), calls
+    logits0, grads0 = run(stock, tokens(stock))
+    assert_close("logits", logits, logits0, 1e-5, ref[0], f"{name}: ")
+    grads = _split_w13(grads)
+    assert set(grads) == set(grads0)
+    for n in grads0:
+        assert grads0[n].abs().max() > 0, n
+        assert_close(n, grads[n], grads0[n], 1e-4, ref[1].get(n), f"{name}: ")
+
+
+def test_fused_swiglu_with_a_hooked_down_projection_runs_the_activation_only():
+    """FusedSwiGLU whose w2 carries a hook: w13's GEMM and w2 run as
+    themselves, only the activation here (glu_mul), and the hook still fires."""
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.overrides.fused_swiglu import fused_swiglu
+
+    lin = lambda i, o: Linear.Config(in_features=i, out_features=o, bias=False)  # noqa: E731
+    stock = FeedForward.Config(w1=lin(32, 48), w2=lin(48, 32), w3=lin(32, 48)).build()
+    module = fused_swiglu(FeedForward.Config(w1=lin(32, 48), w2=lin(48, 32), w3=lin(32, 48))).build()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / 6)
+    stock.load_state_dict(module.state_dict())
+    seen = []
+    module.w2.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    assert "fused" in str(sc.patch(module))
+    calls = _count_fused_calls()
+    x = torch.randn(3, 5, 32, generator=gen, dtype=torch.float64)
+    module.double(), stock.double()
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    y, y0 = module(xs[0]), stock(xs[1])
+    (y * y0.detach()).sum().backward()
+    (y0 * y0.detach()).sum().backward()
+    assert calls["glu_mul"] == 1 and calls["swiglu"] == 0 and seen == [(3, 5, 32)]
+    torch.testing.assert_close(y, y0, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=1e-12, atol=1e-12)
+    g13 = module.w13.grad
+    torch.testing.assert_close(g13[:, 0], stock.w1.weight.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g13[:, 1], stock.w3.weight.grad, rtol=1e-12, atol=1e-12)
 
 
 # ---- torch.compile ------------------------------------------------------------------------------
@@ -275,11 +365,28 @@ def _cpu_parallel_dims(parallelism, world):
 
     pd.device_type = "cpu"
     dims = pd.ParallelDims.from_config(parallelism, world)
-    assert dims.dp_shard == world and dims.fsdp_enabled
+    assert dims.dp_shard * dims.tp == world and dims.fsdp_enabled == (dims.dp_shard > 1)
     return dims
 
 
-def _parallelized(name, patched, world, full_precision=False):
+def _sharding_configs(name, cfg, ep):
+    """What torchtitan's Trainer does before the build (``update_from_config``):
+    fill the model's sharding configs (experts Shard(0) over "ep" with EP, the
+    all-to-all dispatcher's local_map; TP layouts on every Linear). Called
+    directly: update_from_config imports torchtitan.trainer (torchdata,
+    tensorboard, ...)."""
+    if name == "llama3":
+        from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+        set_llama3_sharding_config(cfg, enable_sp=False)
+    elif name == "deepseek_v3":
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+        set_deepseek_v3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
+    else:
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+        set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=ep > 1)
+
+
+def _parallelized(name, patched, world, full_precision=False, ep=1, tp=1, backend="partial_dtensor"):
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.utils import set_spmd_backend
@@ -290,17 +397,20 @@ def _parallelized(name, patched, world, full_precision=False):
     # before the meta build and parallelize). patch() after parallelize cannot
     # probe FSDP-sharded (DTensor) parameters; patch() before it is on meta.
     converters = [sctt.SwiGLUCupyConverter.Config()] if patched else None
+    # "partial_dtensor": DTensor for model-parallel axes only (FSDP on plain modules);
+    # "spmd_types" (its default) parallelizes every module that has a sharding config.
+    parallelism = ParallelismConfig(spmd_backend=backend, expert_parallel_degree=ep, tensor_parallel_degree=tp,
+                                    data_parallel_shard_degree=world // tp)
+    set_spmd_backend(parallelism.spmd_backend)
+    cfg = model_config(name, converters)
+    if ep > 1 or tp > 1 or backend != "partial_dtensor":
+        _sharding_configs(name, cfg, ep)
     with torch.device("meta"):
-        model = model_config(name, converters).build()
+        model = cfg.build()
     if full_precision:
         for m in model.modules():
             if type(m) is GroupedExperts:
                 m.forward = _fp32_experts_forward.__get__(m)
-    # "partial_dtensor": DTensor for model-parallel axes only (FSDP on plain modules). The default,
-    # "spmd_types", needs the sharding configs its Trainer writes into the model config
-    # (update_from_config) before the build.
-    parallelism = ParallelismConfig(spmd_backend="partial_dtensor")
-    set_spmd_backend(parallelism.spmd_backend)
     parallelize(model, parallel_dims=_cpu_parallel_dims(parallelism, world),
                 training=TrainingConfig(mixed_precision_param="float32"), parallelism=parallelism,
                 compile_config=CompileConfig(), ac_config=FullAC.Config(), dump_folder="")
@@ -318,7 +428,7 @@ def _parallelized(name, patched, world, full_precision=False):
 
 def _count_fused_calls():
     calls = {}
-    for fn in ("swiglu_unpacked", "grouped_experts", "glu_mul"):
+    for fn in ("swiglu_unpacked", "swiglu", "grouped_experts", "glu_mul"):
         calls[fn] = 0
         original = getattr(sctt, fn)
         if hasattr(original, "_counted"):
@@ -333,30 +443,51 @@ def _count_fused_calls():
 
 
 def run_torchtitan_rank(case, rank, world):
-    name = case
+    name, ep, tp = case
     out = {}
     for variant in ("torchtitan", "patched") + (("fp64 experts",) if name in MOE else ()):
-        model = _parallelized(name, variant == "patched", world, full_precision=variant == "fp64 experts")
+        model = _parallelized(name, variant == "patched", world, full_precision=variant == "fp64 experts", ep=ep,
+                              tp=tp)
         assert "CheckpointWrapper" in type(model.layers["0"]).__name__
-        assert type(model).__name__.startswith("FSDP")
-        toks = tokens(model, seed=10 + rank)  # each rank its own batch
+        assert type(model).__name__.startswith("FSDP") or tp > 1
+        for m in model.modules():
+            if isinstance(m, GroupedExperts) and ep > 1:  # under EP each rank holds its share of the experts
+                assert "ep" in m.w1_EFD.device_mesh.mesh_dim_names
+                assert m.w1_EFD.to_local().shape[0] == m.w1_EFD.shape[0] // ep
+        if variant == "patched":
+            # Which Linear forward wrappers of torchtitan's parallelize are no-ops: none without
+            # sharding configs (they are not wrapped), all three under EP alone, none under TP.
+            for m in model.modules():
+                if isinstance(m, FeedForward):
+                    noop = set(m.__dict__.get("_swiglu_cupy_noop_forwards", {}))
+                    assert noop == ({"w1", "w2", "w3"} if ep > 1 else set()), (ep, tp, noop)
+        toks = tokens(model, seed=10 + (rank if tp == 1 else 0))  # TP ranks share one batch
         calls = _count_fused_calls()
         logits, grads = run(model, toks)
-        if variant == "patched":  # the fused ops ran (FSDP hands plain unsharded weights to the forward)
+        if variant == "patched" and tp == 1:
+            # The fused ops ran: FSDP hands plain unsharded weights to the forward, and the
+            # forward wrappers torchtitan puts on each Linear under EP redistribute nothing.
             assert calls["swiglu_unpacked"] > 0 and (name not in MOE or calls["grouped_experts"] > 0), calls
             assert calls["glu_mul"] == 0, calls
+        elif variant == "patched":
+            # TP: the projections hold DTensor shards, so only the activation is ours,
+            # on the local shards of torchtitan's column-parallel gate and up.
+            assert calls["glu_mul"] > 0 and calls["swiglu_unpacked"] == 0, calls
         out[variant] = (logits, {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()})
     return out
 
 
-@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
-def test_torchtitan_parallelize_fsdp2_full_ac_two_gloo_ranks(name, tmp_path, monkeypatch):
-    """torchtitan's own parallelize_fn (FSDP2 over 2 gloo ranks, FullAC),
-    unpatched vs patched, each rank its own batch; gradients are the
-    all-reduced full tensors."""
+@pytest.mark.parametrize("name, ep, tp", [("llama3", 1, 1), ("deepseek_v3", 1, 1), ("deepseek_v3", 2, 1),
+                                          ("llama3", 1, 2)], ids=["llama3", "deepseek_v3", "deepseek_v3-ep2",
+                                                                  "llama3-tp2"])
+def test_torchtitan_parallelize_two_gloo_ranks(name, ep, tp, tmp_path, monkeypatch):
+    """torchtitan's own parallelize_fn on 2 gloo ranks with FullAC: FSDP2
+    (each rank its own batch), FSDP2 + EP 2 (its all-to-all token dispatcher,
+    each rank half the experts) and TP 2 (one batch), unpatched vs patched;
+    gradients are the full tensors."""
     import rank_launcher
 
-    results = rank_launcher.launch(run_torchtitan_rank, name, tmp_path, monkeypatch, 2, 300)
+    results = rank_launcher.launch(run_torchtitan_rank, (name, ep, tp), tmp_path, monkeypatch, 2, 300)
     for rank, out in enumerate(results):
         (l0, g0), (l1, g1) = out["torchtitan"], out["patched"]
         lr, gr = out.get("fp64 experts", (None, {}))

@@ -17,19 +17,21 @@ from .recognition import GLUPlan
 __all__ = ["run_plan", "fusion_of", "linear_obstacle"]
 
 
-def linear_obstacle(m: nn.Module) -> str | None:
+def linear_obstacle(m: nn.Module, known_noop_forward=None) -> str | None:
     """Why calling ``m`` is not exactly ``F.linear(x, m.weight, m.bias)``, or
     None: ``m`` is an ``nn.Linear`` (or a subclass that keeps its forward, as
     torchtitan's ``Linear``) with no hooks (torch's parallel styles, PEFT,
     offloading) and no forward replaced on the instance (Hugging Face's
-    tensor-parallel styles, accelerate's hooks)."""
+    tensor-parallel styles, accelerate's hooks), except by
+    ``known_noop_forward``: a wrapper the caller knows to call
+    ``nn.Linear.forward`` and nothing else."""
     if not isinstance(m, nn.Linear):
         return f"{type(m).__name__} is not an nn.Linear (LoRA, quantized?)"
     if type(m).forward is not nn.Linear.forward:
         return f"{type(m).__name__} overrides nn.Linear.forward"
     if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
         return f"{type(m).__name__} has hooks"
-    if "forward" in m.__dict__:
+    if "forward" in m.__dict__ and (known_noop_forward is None or m.__dict__["forward"] is not known_noop_forward):
         return f"{type(m).__name__} has its forward replaced on the instance"
     return None
 

@@ -42,7 +42,7 @@ from .forward import _is_noop, linear_obstacle
 from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
 from .probe import choose_plan
 from .recognition import GLUPlan, generic_candidates, hf_candidates
-from .torchtitan import is_torchtitan_experts, patch_torchtitan_experts, torchtitan_base, torchtitan_experts_skip_reason
+from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
 
 __all__ = ["patch", "PatchReport", "walk", "FAMILIES"]
@@ -185,15 +185,15 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 report.classes[path] = type(module).__name__
                 report.fused[path] = patch_xformers_module(module)
             continue
-        if is_torchtitan_experts(module):
+        if is_torchtitan_switchable(module):
             done.append(path)
             if "torchtitan" in families:
                 report.classes[path] = torchtitan_base(module).__name__
-                note = patch_torchtitan_experts(module, recompute_gate_up)
+                note = patch_torchtitan_class(module, recompute_gate_up)
                 if note is not None:
                     report.fused[path] = note
-                else:  # patch_torchtitan_experts refuses exactly when there is a reason
-                    report.skipped[path] = torchtitan_experts_skip_reason(module)
+                else:  # patch_torchtitan_class refuses exactly when there is a reason
+                    report.skipped[path] = torchtitan_skip_reason(module)
             continue
         cands = hf_candidates(module)
         family = "hf"

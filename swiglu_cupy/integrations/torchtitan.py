@@ -4,12 +4,14 @@ Two ways in, for torchtitan's real model classes (checked against torchtitan 0.3
 
 * ``swiglu_cupy.patch(model)`` on a built model: the core walk fuses every
   ``FeedForward`` (``w1`` gate, ``w3`` up, ``w2`` down: torchtitan ``Linear``\\ s)
-  and calls :func:`patch_torchtitan_experts` for every ``GroupedExperts``.
+  and calls :func:`patch_torchtitan_class` for every ``GroupedExperts`` and
+  for the modules of torchtitan's ``fused_swiglu`` overrides (``FusedSwiGLU``:
+  one ``w13 [F, 2, D]`` gate/up parameter; ``FusedGroupedExperts``).
 * The model-transform extension point, as torchtitan's quantization and LoRA
   converters do: a :class:`SwiGLUCupyConverter` (a
   ``torchtitan.protocols.model.ModelConfigConverter``) in the model spec's
   ``converters`` replaces the ``FeedForward`` / ``GroupedExperts`` /
-  ``FusedGroupedExperts`` configs by configs of subclasses whose forward runs
+  ``FusedSwiGLU`` / ``FusedGroupedExperts`` configs by configs of subclasses whose forward runs
   swiglu_cupy, before the model is built (on meta or anywhere)::
 
       from swiglu_cupy.integrations.torchtitan import SwiGLUCupyConverter
@@ -32,8 +34,15 @@ gate/up), no copy. The entry that would remove the copy: see
 
 This module imports torchtitan only when asked for the converter (the
 ``SwiGLUCupyConverter`` attribute) or for a fused class: the core walk can
-call :func:`patch_torchtitan_experts` on any module at no cost when
+call :func:`patch_torchtitan_class` on any module at no cost when
 torchtitan was never imported.
+
+Under torchtitan's parallelize: FSDP2 hands plain unsharded weights to the
+forward (fused); with EP alone, the forward wrappers its ``Module.parallelize``
+puts on each ``Linear`` redistribute nothing (checked per module, see
+``_redistribution_is_noop``) and the dense feed-forwards stay fused; under TP
+the projections hold DTensor shards and only the activation runs here
+(``glu_mul`` on the local shards of the column-parallel gate and up).
 """
 from __future__ import annotations
 
@@ -44,12 +53,12 @@ import torch
 from torch import nn
 
 from ..activations import GLUActivation
-from ..dense.api import glu_mul, swiglu_unpacked
+from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts
 from .forward import linear_obstacle
 
-__all__ = ["patch_torchtitan_experts", "torchtitan_experts_skip_reason", "fused_torchtitan_class",
-           "is_torchtitan_experts", "torchtitan_base",
+__all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
+           "is_torchtitan_switchable", "torchtitan_base",
            "SwiGLUCupyConverter", "UNPACKED_EXPERTS_ENTRY_NEEDED"]
 
 #: What swiglu_cupy.moe would need so the separate w1_EFD/w3_EFD layout runs
@@ -80,10 +89,32 @@ def _is_dtensor(t) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "placements")
 
 
-def _plain_linear(m: nn.Module) -> bool:
+def _plain_linear(m: nn.Module, noop_forward=None) -> bool:
     """An nn.Linear (torchtitan's ``Linear`` included) whose call is exactly
-    ``nn.Linear.forward`` on plain (not DTensor) weights."""
-    return linear_obstacle(m) is None and not _is_dtensor(m.weight)
+    ``nn.Linear.forward`` on plain (not DTensor) weights. ``noop_forward``: a
+    forward wrapper torchtitan's parallelize installed that does nothing
+    (:func:`_redistribution_is_noop`)."""
+    return linear_obstacle(m, noop_forward) is None and not _is_dtensor(m.weight)
+
+
+def _redistribution_is_noop(module: nn.Module, parallel_dims) -> bool:
+    """Whether the forward wrapper torchtitan's ``Module.parallelize`` gave
+    ``module`` (redistribute inputs, an optional local_map, redistribute
+    outputs, from its sharding config) does nothing: on the
+    "partial_dtensor" backend, a boundary whose layouts resolve to no mesh is
+    a no-op (``ParallelDims.resolve_shared_mesh``'s contract), e.g. the TP
+    layouts of a dense Linear when TP (and CP) are off, as under EP alone.
+    Any other backend, a local_map or a resolved mesh: not a no-op."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None or getattr(parallel_dims, "spmd_backend", None) != "partial_dtensor":
+        return False
+    if config.local_map is not None or isinstance(config.out_src_shardings, tuple):
+        return False
+    src, dst = config.in_src_shardings or {}, config.in_dst_shardings or {}
+    boundaries = [[src.get(n), dst.get(n)] for n in {*src, *dst}]
+    boundaries.append([config.out_src_shardings, config.out_dst_shardings])
+    boundaries += [[layout] for layout in (config.state_shardings or {}).values()]
+    return all(parallel_dims.resolve_shared_mesh(b) is None for b in boundaries)
 
 
 # ---- the fused forwards ----------------------------------------------------------------------
@@ -110,10 +141,27 @@ def _feed_forward_forward(self, x: torch.Tensor) -> torch.Tensor:
     the whole MLP when the three projections are plain linears, else the
     activation only (LoRA, float8 or hooked projections run as themselves)."""
     w1, w2, w3 = self.w1, self.w2, self.w3
-    if _plain_linear(w1) and _plain_linear(w2) and _plain_linear(w3):
+    noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
+    if all(_plain_linear(m, noop.get(n)) for n, m in (("w1", w1), ("w2", w2), ("w3", w3))):
         return swiglu_unpacked(x, w1.weight, w1.bias, w3.weight, w3.bias, w2.weight, w2.bias,
                                recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False))
     return w2(glu_mul(w1(x), w3(x)))
+
+
+def _fused_swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """torchtitan's ``FusedSwiGLU.forward`` (gate/up from ``w13 [F, 2, D]``,
+    ``w2`` down) fused: ``w13`` read as an interleaved ``w12 [2F, D]`` (rows
+    g0, u0, g1, ...: a view); the activation only when ``w13`` is a DTensor
+    shard or ``w2`` is not a plain linear."""
+    w13, w2 = self.w13, self.w2
+    F, _, D = w13.shape
+    recompute = getattr(self, "_swiglu_cupy_recompute_gate_up", False)
+    noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
+    if not _is_dtensor(w13) and _plain_linear(w2, noop.get("w2")):
+        return swiglu(x, w13.reshape(2 * F, D), None, w2.weight, w2.bias, activation=_SILU_INTERLEAVED,
+                      recompute_gate_up=recompute)
+    gate, up = nn.functional.linear(x, w13.flatten(0, 1)).unflatten(-1, (F, 2)).unbind(-1)
+    return w2(glu_mul(gate, up))
 
 
 # ---- fused subclasses of torchtitan's classes ------------------------------------------------
@@ -140,9 +188,20 @@ def _make_fused_class(base: type, forward) -> type:
 
     fused = type(name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
                                  "__init__": __init__, "forward": forward, "_swiglu_cupy_base": base,
-                                 "__reduce_ex__": _reduce_ex})
+                                 "__reduce_ex__": _reduce_ex, "parallelize": _parallelize})
     _FUSED_CLASSES[base] = fused
     return fused
+
+
+def _parallelize(self, parallel_dims) -> None:
+    """torchtitan's ``Module.parallelize`` (children first), then note which
+    projections' new forward wrappers do nothing, so the fused forward may
+    still call the whole MLP on their weights (EP without TP: the dense
+    FFNs stay fused)."""
+    type(self)._swiglu_cupy_base.parallelize(self, parallel_dims)
+    self._swiglu_cupy_noop_forwards = {
+        name: m.__dict__["forward"] for name, m in self.named_children()
+        if "forward" in m.__dict__ and _redistribution_is_noop(m, parallel_dims)}
 
 
 def _reduce_ex(self, protocol):
@@ -173,34 +232,51 @@ def _experts_bases() -> tuple[type, ...]:
     return tuple(bases)
 
 
+def _fused_swiglu_base() -> type | None:
+    """torchtitan's ``FusedSwiGLU`` override (one ``w13`` gate/up parameter), if loaded."""
+    return getattr(sys.modules.get(_FUSED_OVERRIDES), "FusedSwiGLU", None)
+
+
+def _class_bases() -> tuple[type, ...]:
+    """The torchtitan classes switched from their class alone (no probe: their
+    forwards are reproduced exactly): the experts and ``FusedSwiGLU``."""
+    fused_swiglu = _fused_swiglu_base()
+    return _experts_bases() + ((fused_swiglu,) if fused_swiglu is not None else ())
+
+
 def fused_torchtitan_class(base: type) -> type:
-    """The swiglu_cupy subclass of a torchtitan ``FeedForward``, ``GroupedExperts``
-    or ``FusedGroupedExperts`` class (exactly those: a subclass with its own
-    forward is not reproduced)."""
+    """The swiglu_cupy subclass of a torchtitan ``FeedForward``, ``GroupedExperts``,
+    ``FusedSwiGLU`` or ``FusedGroupedExperts`` class (exactly those: a
+    subclass with its own forward is not reproduced)."""
     if base in _FUSED_CLASSES:
         return _FUSED_CLASSES[base]
     if base in _experts_bases():
         return _make_fused_class(base, _experts_forward)
+    if base is _fused_swiglu_base():
+        return _make_fused_class(base, _fused_swiglu_forward)
     ff = sys.modules.get(_FF)
     if ff is not None and base is ff.FeedForward:
         return _make_fused_class(base, _feed_forward_forward)
-    raise TypeError(f"{base.__module__}.{base.__qualname__} is not torchtitan's FeedForward, GroupedExperts "
-                    "or FusedGroupedExperts")
+    raise TypeError(f"{base.__module__}.{base.__qualname__} is not torchtitan's FeedForward, GroupedExperts, "
+                    "FusedSwiGLU or FusedGroupedExperts")
 
 
-# ---- patching a built GroupedExperts ---------------------------------------------------------
+# ---- patching a built GroupedExperts or FusedSwiGLU ------------------------------------------
 
-def _experts_class_of(module: nn.Module) -> type | None:
-    """The torchtitan experts class ``module`` is (or was switched from), or None."""
+def _switchable_class_of(module: nn.Module) -> type | None:
+    """The torchtitan class ``module`` is (or was switched from), if switched from its class alone."""
     cls = type(module)
     base = getattr(cls, "_swiglu_cupy_base", cls)
-    return base if base in _experts_bases() else None
+    return base if base in _class_bases() else None
 
 
-def is_torchtitan_experts(module: nn.Module) -> bool:
-    """A torchtitan ``GroupedExperts`` (or a subclass, switched or not)."""
+def is_torchtitan_switchable(module: nn.Module) -> bool:
+    """A torchtitan ``GroupedExperts`` or ``FusedSwiGLU`` (or a subclass,
+    switched or not): the walk hands it to :func:`patch_torchtitan_class`."""
     moe = sys.modules.get(_MOE)
-    return moe is not None and isinstance(module, moe.GroupedExperts)
+    fused_swiglu = _fused_swiglu_base()
+    return ((moe is not None and isinstance(module, moe.GroupedExperts))
+            or (fused_swiglu is not None and isinstance(module, fused_swiglu)))
 
 
 def torchtitan_base(module: nn.Module) -> type:
@@ -208,39 +284,44 @@ def torchtitan_base(module: nn.Module) -> type:
     return getattr(type(module), "_swiglu_cupy_base", type(module))
 
 
-def torchtitan_experts_skip_reason(module: nn.Module) -> str | None:
-    """Why a torchtitan ``GroupedExperts`` cannot be switched (a subclass with
-    its own forward, a replaced ``_grouped_mm`` seam such as MXFP8's, a
-    replaced instance forward, unknown parameters), or None if it can be or
-    ``module`` is no GroupedExperts."""
-    moe = sys.modules.get(_MOE)
-    if moe is None or not isinstance(module, moe.GroupedExperts):
+def torchtitan_skip_reason(module: nn.Module) -> str | None:
+    """Why a torchtitan ``GroupedExperts`` or ``FusedSwiGLU`` cannot be
+    switched (a subclass with its own forward, a replaced ``_grouped_mm``
+    seam such as MXFP8's, a replaced instance forward, unknown parameters),
+    or None if it can be or ``module`` is neither."""
+    if not is_torchtitan_switchable(module):
         return None
     cls = type(module)
-    if getattr(cls, "_swiglu_cupy_base", None) in _experts_bases():
+    if getattr(cls, "_swiglu_cupy_base", None) in _class_bases():
         return None
-    if _experts_class_of(module) is None:
-        return (f"{cls.__name__} subclasses GroupedExperts with its own forward, which swiglu_cupy does not "
-                "reproduce")
+    base = _switchable_class_of(module)
+    if base is None:
+        return f"{cls.__name__} subclasses {cls.__mro__[1].__name__} with its own forward, which swiglu_cupy " \
+               "does not reproduce"
     if "forward" in module.__dict__:
         return "its forward is replaced on the instance, which would bypass the fusion"
-    if "_grouped_mm" in module.__dict__ or cls._grouped_mm is not moe.GroupedExperts._grouped_mm:
-        return "its _grouped_mm seam is replaced (a low-precision grouped GEMM, e.g. MXFP8): left as is"
-    names = set(module._parameters)
-    if names not in ({"w1_EFD", "w2_EDF", "w3_EFD"}, {"w13", "w2_EDF"}):
+    if base is _fused_swiglu_base():
+        names, expected = set(module._parameters), ({"w13"},)
+    else:
+        moe = sys.modules[_MOE]
+        if "_grouped_mm" in module.__dict__ or cls._grouped_mm is not moe.GroupedExperts._grouped_mm:
+            return "its _grouped_mm seam is replaced (a low-precision grouped GEMM, e.g. MXFP8): left as is"
+        names, expected = set(module._parameters), ({"w1_EFD", "w2_EDF", "w3_EFD"}, {"w13", "w2_EDF"})
+    if names not in expected:
         return f"unexpected parameters {sorted(names)}"
     if any(p is not None and p.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-           for p in module._parameters.values()):
-        return "non-floating expert weights"
+           for p in module.parameters()):
+        return "non-floating weights"
     return None
 
 
-def patch_torchtitan_experts(module: nn.Module, recompute_gate_up: bool = False) -> str | None:
-    """Switch a torchtitan ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the fused
-    ``w13`` override) in place so its forward runs
-    :func:`swiglu_cupy.moe.grouped_experts`, and return the line the patch
-    report shows. None if ``module`` is no GroupedExperts or cannot be
-    switched (:func:`torchtitan_experts_skip_reason` says why).
+def patch_torchtitan_class(module: nn.Module, recompute_gate_up: bool = False) -> str | None:
+    """Switch a torchtitan ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
+    fused ``w13`` override) or ``FusedSwiGLU`` in place so its forward runs
+    :func:`swiglu_cupy.moe.grouped_experts` (experts) or
+    :func:`swiglu_cupy.swiglu` (``FusedSwiGLU``), and return the line the patch
+    report shows. None if ``module`` is neither or cannot be switched
+    (:func:`torchtitan_skip_reason` says why).
 
     Decided from the class, so it works on the meta device (no probe: the
     class's forward is torchtitan's own, reproduced exactly). The instance
@@ -248,18 +329,20 @@ def patch_torchtitan_experts(module: nn.Module, recompute_gate_up: bool = False)
     protocol hold) and its parameters (state_dict keys unchanged)."""
     if not isinstance(recompute_gate_up, bool):
         raise TypeError(f"recompute_gate_up must be a bool, got {type(recompute_gate_up).__name__}")
-    base = _experts_class_of(module)
-    if base is None or torchtitan_experts_skip_reason(module) is not None:
+    base = _switchable_class_of(module)
+    if base is None or torchtitan_skip_reason(module) is not None:
         return None
     already = type(module) is not base
     module.__class__ = fused_torchtitan_class(base)
     module._swiglu_cupy_recompute_gate_up = recompute_gate_up
+    tail = (", recompute_gate_up" if recompute_gate_up else "") + (" (already fused)" if already else "")
+    if base is _fused_swiglu_base():
+        return "swiglu_cupy.swiglu, w13 [F, 2, D] as interleaved w12 (a view)" + tail
     packed = "w13" in module._parameters
     layout = ("w13 [E, F, 2, D] as interleaved w12 (a view)" if packed else
               "w1_EFD/w3_EFD packed per call into w12 [E, 2F, D]")
     return (f"swiglu_cupy.moe.grouped_experts, bf16 as torchtitan, {layout}; router scores in the "
-            f"dispatcher's combine" + (", recompute_gate_up" if recompute_gate_up else "")
-            + (" (already fused)" if already else ""))
+            f"dispatcher's combine" + tail)
 
 
 # ---- torchtitan's model-transform extension point --------------------------------------------
@@ -271,7 +354,7 @@ def _build_converter_class() -> type:
     from torchtitan.protocols.module import Module
 
     def targets() -> tuple[type, ...]:
-        return (FeedForward, GroupedExperts, *_experts_bases())
+        return (FeedForward, GroupedExperts, *_class_bases())
 
     class SwiGLUCupyConverter(ModelConfigConverter):
         """Runs torchtitan's ``FeedForward`` and ``GroupedExperts`` (and the
