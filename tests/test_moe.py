@@ -466,6 +466,33 @@ class TinyMoE(nn.Module):
                                       activation=self.spec, transposed=self.transposed)
 
 
+@pytest.mark.parametrize("way_in", ["rows", "tokens", "tokens_to_rows"])
+def test_opcheck_registered_ops(way_in):
+    """torch.library.opcheck on the ops torch.compile traces: the fake
+    impls' shapes and dtypes (y per token or per row, dx per token, the
+    routing weights' gradient per slot) match the real ones, both ways in."""
+    from swiglu_cupy.primitives.ops import spec_args
+
+    E, K, D, I, T = 3, 2, 16, 8, 5
+    x, logits, ids, w12, w3, b12, b3 = [None if t is None else t.detach()
+                                        for t in make(E=E, K=K, D=D, I=I, T=T, bias=True)]
+    perm, offsets = moe.sort_by_expert(ids, E)
+    rw = routing_weights(logits, ids).reshape(-1).double()  # a wider dtype: y and drw follow it
+    if way_in == "rows":
+        x, rw, perm, combine = x[perm // K], rw[perm], None, None
+    else:
+        perm, combine = perm.int(), (torch.float32 if way_in == "tokens" else None)
+    spec = (*spec_args(GPT_OSS), False, False)
+    fwd = (x, offsets, w12, b12, w3, b3, rw, *spec, perm, K, combine)
+    torch.library.opcheck(torch.ops.swiglu_cupy.moe_experts_forward.default, fwd)
+    y, x12 = torch.ops.swiglu_cupy.moe_experts_forward(*fwd)
+    assert y.shape == ((T, D) if way_in == "tokens" else (T * K, D))
+    bwd = (torch.randn_like(y), x, x12, offsets, w12, b12, w3, b3, rw, *spec, [True] * 6, perm, K, combine)
+    torch.library.opcheck(torch.ops.swiglu_cupy.moe_experts_backward.default, bwd)
+    grads = torch.ops.swiglu_cupy.moe_experts_backward(*bwd)
+    assert [g.shape for g in grads] == [t.shape for t in (x, w12, b12, w3, b3, rw)]
+
+
 def test_torch_compile_fullgraph_matches_eager():
     from conftest import assert_compiled_matches_eager
 
