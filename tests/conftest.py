@@ -57,6 +57,29 @@ def assert_nontrivial(grad: torch.Tensor, name: str) -> None:
     assert grad.double().abs().max().item() > 0, f"{name}: gradient is all zeros"
 
 
+def routed_saved_bytes(T, K, E, D, I, x_bytes, rw_bytes, recompute_gate_up=False) -> int:
+    """Bytes the routed MoE path saves for backward (issue 26): each token's
+    input once (T*D), x12 per routed row (S*2I; none with
+    recompute_gate_up), the expert order ``perm`` (int32) and the routing
+    weights per routed row, and the offsets (E int32)."""
+    S = T * K
+    return T * D * x_bytes + (0 if recompute_gate_up else S * 2 * I * x_bytes) + S * (4 + rw_bytes) + E * 4
+
+
+def routed_saved_bytes_a6d6350(T, K, E, D, I, x_bytes, rw_bytes, recompute_gate_up=False) -> int:
+    """What the routed path saved before issue 26 (commit a6d6350; these
+    reproduce its measured figures, docs/moe.md): x_sorted per routed row (K
+    copies of each token's input), x12, three int64 index vectors (perm,
+    inverse, token), the gathered routing weights, the offsets."""
+    S = T * K
+    return S * (D + (0 if recompute_gate_up else 2 * I)) * x_bytes + S * (3 * 8 + rw_bytes) + E * 4
+
+
+def routed_saved_ratio_goal(K, D, I) -> float:
+    """Issue 26's bound on saved bytes, new / before: (D + K*2I) / (K*(D + 2I))."""
+    return (D + K * 2 * I) / (K * (D + 2 * I))
+
+
 def swiglu_fp64_reference(x, w12, b12, w3, b3):
     """Independent eager reference, computed in float64 from the given values."""
     import torch.nn.functional as F

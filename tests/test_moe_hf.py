@@ -18,10 +18,11 @@ transformers = pytest.importorskip("transformers")
 moe_integration = pytest.importorskip("transformers.integrations.moe")
 
 import swiglu_cupy.hf_experts as hx  # noqa: E402
-from conftest import assert_nontrivial  # noqa: E402
+from conftest import (assert_nontrivial, routed_saved_bytes, routed_saved_bytes_a6d6350,  # noqa: E402
+                      routed_saved_ratio_goal)
 from swiglu_cupy.activations import GPT_OSS, GLUActivation  # noqa: E402
-from swiglu_cupy.tools.bench.moe import (MEMORY_GOAL, TINY_FAMILIES, experts_modules, family_memory,  # noqa: E402
-                                   tiny_model, use_implementation)
+from swiglu_cupy.tools.bench.moe import (MEMORY_GOAL, MEMORY_GOAL_TOP8, TINY_FAMILIES, experts_modules,  # noqa: E402
+                                         family_memory, tiny_model, top8_overrides, use_implementation)
 from swiglu_cupy.reference import glu_reference, split_gate_up  # noqa: E402
 
 FAMILIES = list(TINY_FAMILIES)
@@ -130,10 +131,22 @@ def test_logits_and_every_gradient_match_hf_eager_and_grouped_mm(family, checkpo
 
 # ---- memory --------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("config", ["tiny_top2", "top8_deepseek_v3_proportions"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_saved_bytes_at_most_three_quarters_of_grouped_mm(family):
-    m = family_memory(family)
-    assert m["swiglu_cupy"] <= MEMORY_GOAL * m["grouped_mm"], m
+def test_saved_bytes_each_tokens_input_once(family, config):
+    """Saved inside the experts module on the model's own routing: exactly
+    ``routed_saved_bytes`` (each token's input once, x12 per routed row),
+    within issue 26's bound of what a6d6350 saved, and at most 0.75 (top-2)
+    / 0.25 (top-8, DeepSeek-V3's D/I) of HF's grouped_mm."""
+    top8 = config != "tiny_top2"
+    m = family_memory(family, **(top8_overrides(family) if top8 else {}))
+    shape = m["shape"]
+    if top8:
+        assert (shape["K"], shape["E"], shape["D"], shape["I"]) == (8, 16, 224, 64), shape
+    assert m["swiglu_cupy"] == routed_saved_bytes(**shape), m
+    assert m["swiglu_cupy"] <= routed_saved_ratio_goal(shape["K"], shape["D"], shape["I"]) * \
+        routed_saved_bytes_a6d6350(**shape), m
+    assert m["swiglu_cupy"] <= (MEMORY_GOAL_TOP8 if top8 else MEMORY_GOAL) * m["grouped_mm"], m
 
 
 def test_recompute_gate_up_saves_less():

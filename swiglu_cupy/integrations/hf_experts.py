@@ -258,7 +258,7 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False) -> int:
     """Switch every ``@use_experts_implementation`` experts module of
     ``model`` to the fused op; returns how many run fused. Modules whose gate
     cannot be fused exactly stay on the implementation they had (one warning
-    per class). ``recompute_gate_up`` saves only the routed input rows for
+    per class). ``recompute_gate_up`` saves only the token inputs (each once) for
     backward (x12 is recomputed: one grouped GEMM more). Call it before
     torch.compile."""
     if not isinstance(model, nn.Module):

@@ -30,7 +30,11 @@ layout is packed per call into ``w12 [E, 2F, D]`` (one ``torch.cat`` of the
 bf16 casts: a copy of 2·E·F·D elements per forward, and its backward splits
 the gradient); the fused ``w13 [E, F, 2, D]`` layout is a view (interleaved
 gate/up), no copy. The entry that would remove the copy: see
-``UNPACKED_EXPERTS_ENTRY_NEEDED``.
+``UNPACKED_EXPERTS_ENTRY_NEEDED``. torchtitan's token dispatcher hands
+GroupedExperts rows already sorted by expert, so ``grouped_experts`` saves
+those rows as given (``x_RD``, or its bf16 cast where it is not bf16) and
+x12: the least there is to save at that interface (``routed_experts``, which
+routes the tokens itself, saves each token's input once instead of K rows).
 
 This module imports torchtitan only when asked for the converter (the
 ``SwiGLUCupyConverter`` attribute) or for a fused class: the core walk can

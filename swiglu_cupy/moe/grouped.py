@@ -20,11 +20,24 @@ gradient ``dy . (h W3 + b3)`` is returned, so it reaches the router. ``y`` has
 the dtype torch's promotion gives ``z * w`` (a bf16 expert output times fp32
 routing weights is fp32, as in Hugging Face's experts).
 
-One apply-only Function (``MoEExpertsFunction``) holds the graph. It saves
-x_sorted and x12 (D + 2I elements per routed row, never h or the down
-output) plus the offsets and routing weights, the same tensors whatever
-requires grad, so checkpoint recomputes match; ``recompute_gate_up`` saves
-x_sorted only and recomputes x12 in backward (one grouped GEMM more).
+One apply-only Function (``MoEExpertsFunction``) holds the graph. It
+saves its inputs and x12 (never h or the down output), the same tensors
+whatever requires grad, so checkpoint recomputes match;
+``recompute_gate_up`` drops x12 and recomputes it in backward (one grouped
+GEMM more). Two ways in:
+
+- rows (``grouped_experts``): the caller's ``x_sorted`` [S, D] is the only
+  copy of the inputs there is, so it is saved as given (a reference: no
+  new memory where the caller keeps it) with x12: D + 2I elements per row;
+- tokens (``routed_experts``, the Hugging Face experts): ``x`` [T, D] and
+  ``perm`` [T*K] (``tokens``: row r is token ``perm[r] // K``). The forward
+  gathers the rows itself, and the backward gathers them again for the
+  gate/up weight gradient, so each token's input is saved once: D + K*2I
+  elements per token, plus ``perm`` (int32) and the routing weights in
+  token order (the router's own tensor) instead of the three index vectors
+  and a gathered copy of the weights. With ``combine_dtype`` the output is
+  each token's K rows summed (``tokens.sum_per_token``), and dx is each
+  token's K row gradients summed the same way: gathers, no scatter-add.
 
 The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
 where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
@@ -53,6 +66,7 @@ from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_
 from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
+from .tokens import TokenRows
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
 
@@ -171,25 +185,45 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---- the computation (plain bodies; the registered ops below wrap them) --------------------
 
-def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool):
-    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
-    x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
+def _token_rows(perm, top_k: int) -> TokenRows | None:
+    return None if perm is None else TokenRows(perm, top_k)
+
+
+def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool,
+                  perm, top_k: int, combine_dtype):
+    tokens = _token_rows(perm, top_k)
+    rows = x if tokens is None else tokens.gather(x)                         # the routed rows, not saved
+    if tokens is not None and rw is not None:
+        rw = tokens.slots_to_rows(rw)
+    groups = _Groups(offsets, rows.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)              # GEMM 1
+    del rows  # the gathered copy is not kept
     # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
     h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
         z = z.mul_(w) if torch.result_type(z, w) == z.dtype else z * w
-    return groups.zero_tail(z), x12
+    z = groups.zero_tail(z)
+    return (z if combine_dtype is None else tokens.sum_per_token(z, combine_dtype)), x12
 
 
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
-                   tail: bool, needs: tuple):
+                   tail: bool, needs: tuple, perm, top_k: int, combine_dtype):
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
-    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    tokens = _token_rows(perm, top_k)
+    if tokens is not None:
+        if combine_dtype is not None:
+            dy = tokens.gather(dy)                                           # each row's token gradient
+        if rw is not None:
+            rw = tokens.slots_to_rows(rw)
+    groups = _Groups(offsets, x.shape[0] if tokens is None else perm.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    # The routed rows, gathered again from the tokens only where a GEMM reads them.
+    rows = x if tokens is None else None
     recomputed = x12 is None
     if recomputed:
-        x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)            # recompute_gate_up: GEMM
+        rows = rows if rows is not None else tokens.gather(x)
+        x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)         # recompute_gate_up: GEMM
     dtype = x.dtype
     w = None if rw is None else rw.unsqueeze(1)
     dyw = dy.to(dtype) if w is None else (dy * w).to(dtype)                  # d(down output), one rounding
@@ -211,14 +245,19 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
         if b3 is not None:
             drw = drw + _row_dot(dy, b3.index_select(0, groups.row_expert()))
         drw = groups.zero_tail(drw.to(rw.dtype))
+        if tokens is not None:
+            drw = tokens.rows_to_slots(drw)
     if need_w3:
         dw3 = _weight_grad(h, dyw, groups) if transposed else _weight_grad(dyw, h, groups)
     if need_b3:
         db3 = groups.segment_sums(dyw)
     if need_x:
         dx = groups.zero_tail(_rows_linear(dx12, _kn(w12, transposed).transpose(1, 2), None, groups))
+        if tokens is not None:
+            dx = tokens.sum_per_token(dx, x.dtype)                           # each token's K row gradients
     if need_w12:
-        dw12 = _weight_grad(x, dx12, groups) if transposed else _weight_grad(dx12, x, groups)
+        rows = rows if rows is not None else tokens.gather(x)
+        dw12 = _weight_grad(rows, dx12, groups) if transposed else _weight_grad(dx12, rows, groups)
     if need_b12:
         db12 = groups.segment_sums(dx12)
     return dx, dw12, db12, dw3, db3, drw
@@ -230,99 +269,124 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
 def _forward_op(x: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
                 w3: torch.Tensor, b3: torch.Tensor | None, rw: torch.Tensor | None, kind: str,
                 limit: float | None, alpha: float, up_offset: float, interleaved: bool, transposed: bool,
-                tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                tail: bool, perm: torch.Tensor | None, top_k: int,
+                combine_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, perm, top_k, combine_dtype)
 
 
 @_forward_op.register_fake
-def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail):
+def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail, perm, top_k,
+      combine_dtype):
     two_i = w12.shape[2] if transposed else w12.shape[1]
-    dtype = x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype)
-    return x.new_empty((x.shape[0], x.shape[1]), dtype=dtype), x.new_empty((x.shape[0], two_i))
+    rows = x.shape[0] if perm is None else perm.shape[0]
+    if combine_dtype is not None:
+        y = x.new_empty((x.shape[0], x.shape[1]), dtype=combine_dtype)
+    else:
+        y = x.new_empty((rows, x.shape[1]), dtype=x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype))
+    return y, x.new_empty((rows, two_i))
 
 
 @torch.library.custom_op("swiglu_cupy::moe_experts_backward", mutates_args=())
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, x12: torch.Tensor | None, offsets: torch.Tensor,
                  w12: torch.Tensor, b12: torch.Tensor | None, w3: torch.Tensor, b3: torch.Tensor | None,
                  rw: torch.Tensor | None, kind: str, limit: float | None, alpha: float, up_offset: float,
-                 interleaved: bool, transposed: bool, tail: bool, needs: list[bool]) -> list[torch.Tensor]:
+                 interleaved: bool, transposed: bool, tail: bool, needs: list[bool], perm: torch.Tensor | None,
+                 top_k: int, combine_dtype: torch.dtype | None) -> list[torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs))
+    grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs),
+                           perm, top_k, combine_dtype)
     return [x.new_empty(0) if g is None else g for g in grads]  # an op returns tensors only
 
 
 @_backward_op.register_fake
 def _(dy, x, x12, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail,
-      needs):
-    like = (x, w12, b12, w3, b3, rw)
+      needs, perm, top_k, combine_dtype):
+    like = (x, w12, b12, w3, b3, rw)  # dx is per token, drw per slot, on the tokens path
     return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for need, t in zip(needs, like)]
 
 
-def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail):
+def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype):
     if torch.compiler.is_compiling():
-        return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail)
+        return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail, perm, top_k,
+                           combine_dtype)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype)
 
 
-def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs):
+def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,
+              combine_dtype):
     if torch.compiler.is_compiling():
         grads = _backward_op(dy, x, x12, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed,
-                             tail, list(needs))
+                             tail, list(needs), perm, top_k, combine_dtype)
         return tuple(g if need else None for g, need in zip(grads, needs))
-    return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs)
+    return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs,
+                          perm, top_k, combine_dtype)
 
 
 # ---- the Function --------------------------------------------------------------------------
 
 class MoEExpertsFunction(LeanApplyFunction):
-    """The experts feed-forward over grouped rows, apply-only (layout in the module docstring).
+    """The experts feed-forward, apply-only (layouts in the module docstring).
 
-    ``apply(x_sorted, offsets, w12, b12, w3, b3, routing_weights, activation,
-    transposed, recompute_gate_up, tail) -> (y, x12)``, all positional: the
-    arguments were validated by the caller (``grouped_experts`` /
-    ``routed_experts`` / the Hugging Face experts function). It saves the same
-    tensors whatever requires grad: x_sorted, offsets, the weights, the routing
-    weights and x12 (not x12 with ``recompute_gate_up``). ``x12`` is returned
-    only so that it can be saved; it is non-differentiable.
+    ``apply(x, offsets, w12, b12, w3, b3, routing_weights, activation,
+    transposed, recompute_gate_up, tail, perm, top_k, combine_dtype) -> (y,
+    x12)``, all positional: the arguments were validated by the caller
+    (``grouped_experts`` / ``routed_experts`` / the Hugging Face experts
+    function). ``perm`` None: ``x`` holds the grouped rows [S, D] and
+    ``routing_weights`` is [S]. Else ``x`` holds T tokens [T, D],
+    ``perm`` [T*K] the slots in expert order (``tokens.TokenRows``),
+    ``routing_weights`` is in token order [T*K], and ``y`` is each token's K
+    rows summed in ``combine_dtype`` ([T, D]), or with ``combine_dtype`` None
+    the rows themselves ([S, D]). It saves the same tensors whatever requires
+    grad: x, offsets, perm, the weights, the routing weights and x12 (not x12
+    with ``recompute_gate_up``). ``x12`` is returned only so that it can be
+    saved; it is non-differentiable.
     """
 
     @staticmethod
-    def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail):
-        return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)
+    def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail,
+                perm, top_k, combine_dtype):
+        return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm, top_k,
+                        combine_dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail = inputs
+        x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail, perm, top_k, \
+            combine_dtype = inputs
         mark_saved_only(ctx, output[1])
-        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, None if recompute_gate_up else output[1])
+        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, None if recompute_gate_up else output[1])
         ctx.modes = (activation, transposed, tail)
+        ctx.tokens = (top_k, combine_dtype)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 11
-        x, offsets, w12, b12, w3, b3, rw, x12 = ctx.saved_tensors
+            return (None,) * 14
+        x, offsets, w12, b12, w3, b3, rw, perm, x12 = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
         needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
                  need_rw and rw is not None)
-        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs)
-        return dx, None, dw12, db12, dw3, db3, drw, None, None, None, None
+        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs,
+                                                  perm, *ctx.tokens)
+        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 7
 
 
 def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
-                recompute_gate_up: bool, tail: bool) -> torch.Tensor:
+                recompute_gate_up: bool, tail: bool, perm: torch.Tensor | None = None, top_k: int = 1,
+                combine_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The Function on arguments valid by construction (no checks): the one
-    place it is applied. Under autocast, x and the weights are cast to the
-    autocast dtype (as nn.Linear does); under no_grad the forward runs without
-    the Function (no graph, nothing to save)."""
+    place it is applied (``perm``, ``top_k``, ``combine_dtype``: the tokens
+    way in, see ``MoEExpertsFunction``). Under autocast, x and the weights
+    are cast to the autocast dtype (as nn.Linear does); under no_grad the
+    forward runs without the Function (no graph, nothing to save)."""
     def run(tensors):
         x, w12, b12, w3, b3 = tensors
         if graph_needed(x, w12, w3):
             return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
-                                            recompute_gate_up, tail)[0]
-        return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)[0]
+                                            recompute_gate_up, tail, perm, top_k, combine_dtype)[0]
+        return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
+                             top_k, combine_dtype)[0]
     return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
 
 
@@ -340,7 +404,10 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
     (its ``interleaved`` flag names w12's gate/up layout). ``routing_weights``
     [S] multiply each row's down output, bias included. Checking the offsets'
     values copies them to the host once (use ``routed_experts`` to route from
-    top-k ids). Layouts and the saved tensors: the module docstring.
+    top-k ids). Saved for backward: ``x_sorted`` itself (the only copy of the
+    inputs this entry sees; ``routed_experts`` saves each token's input once
+    instead of K rows) and x12 [S, 2I], plus offsets and routing weights.
+    Layouts: the module docstring.
     """
     check.reject_jit()
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:

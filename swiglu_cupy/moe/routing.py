@@ -1,7 +1,7 @@
-"""Routing: tokens to expert-grouped rows and back (``sort_by_expert``, the
-deterministic dispatch/combine Functions), and ``routed_experts``, the
-experts feed-forward from a router's top-k choice (``grouped`` does the
-experts' work)."""
+"""Routing: tokens to expert-grouped rows and back (``sort_by_expert``; the
+gathers themselves: ``tokens``), and ``routed_experts``, the experts
+feed-forward from a router's top-k choice (``grouped`` does the experts'
+work, on the tokens: each token's input is saved once)."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ from .. import _validation as check
 from .._autograd import LeanApplyFunction
 from ..activations import GLUActivation, resolve_activation
 from .grouped import run_experts
+from .tokens import TokenRows, index_dtype, sum_per_token
 
 __all__ = ["routed_experts", "sort_by_expert", "route_and_combine"]
 
@@ -27,44 +28,14 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int):
     return perm, torch.cumsum(counts, 0, dtype=torch.int32)
 
 
-def _sum_per_token(rows: torch.Tensor, inv_perm: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, D]: each token's K rows (``rows`` in expert order) summed in a fixed
-    order in fp32 (float64 for float64), rounded once to ``dtype``."""
-    acc = torch.promote_types(rows.dtype, torch.float32)
-    out = rows.index_select(0, inv_perm).view(-1, K, rows.shape[1]).sum(1, dtype=acc)
-    # No no-op .to(): torch 2.11's torch.compile gives an autograd.Function whose
-    # forward returns such a self-alias (.to(same dtype), .contiguous()) zero gradients.
-    return out if out.dtype == dtype else out.to(dtype)
-
-
-class _Dispatch(LeanApplyFunction):
-    """``hidden[token]``: each routed row's token, in expert order. Backward
-    sums each token's K row gradients in a fixed order (a gather, no
-    scatter-add: deterministic on every device). Saves the two index vectors."""
-
-    @staticmethod
-    def forward(hidden, token, inv_perm, K):
-        return hidden.index_select(0, token)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        hidden, token, inv_perm, K = inputs
-        ctx.save_for_backward(inv_perm)
-        ctx.K, ctx.dtype = K, hidden.dtype
-
-    @staticmethod
-    def backward(ctx, d_rows):
-        (inv_perm,) = ctx.saved_tensors
-        return _sum_per_token(d_rows, inv_perm, ctx.K, ctx.dtype), None, None, None
-
-
 class _Combine(LeanApplyFunction):
-    """The adjoint of ``_Dispatch``: each token's K expert rows summed
-    (``_sum_per_token``); backward gathers each row's token gradient."""
+    """Each token's K expert rows summed (``tokens.sum_per_token``); backward
+    gathers each row's token gradient (the post-expert path's combine: the
+    plain path sums inside the experts Function)."""
 
     @staticmethod
     def forward(rows, token, inv_perm, K, dtype):
-        return _sum_per_token(rows, inv_perm, K, dtype)
+        return sum_per_token(rows, inv_perm, K, dtype)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -82,32 +53,28 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
                       activation: GLUActivation, transposed: bool, recompute_gate_up: bool, sentinels: bool,
                       post_expert=None) -> torch.Tensor:
     """Token-level experts: sort the T*K routed rows by expert, run the
-    experts, and sum each token's K rows in a fixed order in fp32 (or
-    float64), rounded once to the input's dtype. With ``sentinels``, ids >= E
+    experts on the tokens (the Function gathers the rows, saves each token's
+    input once, and sums each token's K rows in a fixed order in fp32, or
+    float64, rounded once to the input's dtype). With ``sentinels``, ids >= E
     contribute zero (and no router gradient). ``post_expert`` (a module
     applied to each row's unweighted output, e.g. a post-expert norm) moves
-    the routing weights after it."""
+    the routing weights and the sum after it."""
     K = top_k_index.shape[-1]
     E = w12.shape[0]
     perm, offsets = sort_by_expert(top_k_index, E)
-    token = perm // K
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.shape[0], device=perm.device)
-    x_sorted = _Dispatch.apply(hidden_states, token, inv_perm, K)
-    rw = None
-    if top_k_weights is not None:
-        rw = top_k_weights.reshape(-1).index_select(0, perm)
-        if sentinels:  # the mask keeps them out of the router gradient
-            rw = rw.masked_fill(top_k_index.reshape(-1).index_select(0, perm) >= E, 0)
-    y = run_experts(x_sorted, offsets, w12, b12, w3, b3, None if post_expert is not None else rw, activation,
-                    transposed, recompute_gate_up, sentinels)
-    if post_expert is not None:
-        y = post_expert(y)
-        if rw is not None:
-            y = y * rw.unsqueeze(1)
-        if sentinels:
-            y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offsets[-1]).unsqueeze(1), 0)
-    return _Combine.apply(y, token, inv_perm, K, hidden_states.dtype)
+    perm = perm.to(index_dtype(perm.shape[0]))  # saved for backward: int32 is half the bytes
+    slot_weights = None if top_k_weights is None else top_k_weights.reshape(-1)
+    if post_expert is None:
+        return run_experts(hidden_states, offsets, w12, b12, w3, b3, slot_weights, activation, transposed,
+                           recompute_gate_up, sentinels, perm, K, hidden_states.dtype)
+    tokens = TokenRows(perm, K)
+    y = post_expert(run_experts(hidden_states, offsets, w12, b12, w3, b3, None, activation, transposed,
+                                recompute_gate_up, sentinels, perm, K, None))
+    if slot_weights is not None:
+        y = y * tokens.slots_to_rows(slot_weights).unsqueeze(1)
+    if sentinels:  # zero output there, so zero gradient for those rows' routing weights
+        y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offsets[-1]).unsqueeze(1), 0)
+    return _Combine.apply(y, tokens.token, tokens.inverse, K, hidden_states.dtype)
 
 
 def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
