@@ -11,7 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import swiglu_cupy as sc
 from swiglu_cupy import reference
 from swiglu_cupy.activations import GLUActivation, deepseek_v4
-from swiglu_cupy.kernels.sources import VARIANTS
+from swiglu_cupy.kernels.sources import VARIANTS, kernel_name, kernel_variant
 from swiglu_cupy.primitives import run, saved_x12
 from conftest import assert_nontrivial, rel_rms, spec_of_variant
 
@@ -168,3 +168,64 @@ def test_every_variant_within_its_bounds_of_float64_references(variant, dtype):
     # the 8 bits are really used: the gradients differ from the default mode's
     _, grads_default = _grads(sc.swiglu, tensors, dy, activation=spec)
     assert rel_rms(grads[1], grads_default[1]) > 1e-3
+
+
+# ---- the kernels (host-executed) against the CPU path --------------------------------------------
+
+def _same_saved(a: torch.Tensor, b: torch.Tensor, H: int, spec) -> None:
+    """Quantized bytes and scales identical (the row padding is unspecified)."""
+    (qa, sa), (qb, sb) = saved_x12.saved_views(a, H, spec.interleaved), saved_x12.saved_views(b, H, spec.interleaved)
+    assert torch.equal(qa.view(torch.uint8), qb.view(torch.uint8))
+    assert torch.equal(sa, sb)
+
+
+def test_kernel_encoder_is_bit_exact_with_torchs_cast_on_every_bf16_value(host_launcher):
+    """Each row: 448 (so its block's scale is exactly 1 and q = e4m3(x)), then
+    127 bf16 values: every bf16 value of magnitude <= 448 (larger ones would
+    change the scale; nothing larger is ever quantized) and every subnormal."""
+    allbf16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = allbf16[allbf16.float().abs() <= 448]
+    rows = -(-values.numel() // 127)
+    body = torch.zeros(rows * 127, dtype=torch.bfloat16)
+    body[:values.numel()] = values
+    x12 = torch.cat([torch.full((rows, 1), 448.0, dtype=torch.bfloat16), body.view(rows, 127)], 1)
+    spec = GLUActivation("identity", interleaved=True)  # one block of x12 per row
+    _, saved = run.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
+    q, scales = saved_x12.saved_views(saved, 64, True)
+    assert (scales == 1).all()
+    assert torch.equal(q.view(torch.uint8), x12.float().to(torch.float8_e4m3fn).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("spec", [GLUActivation("silu"), GLUActivation("gelu_tanh", limit=1.5),
+                                  GLUActivation("oai", limit=1.5, alpha=1.702, up_offset=1.0, interleaved=True),
+                                  GLUActivation("relu", interleaved=True)], ids=str)
+def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
+    """Forward: h identical to the default kernels' h, the saved bytes and
+    scales identical to the CPU path's. Backward from the same saved tensor:
+    dx12 and h within a few fp32 ulps of the CPU path (both fp32 math, one
+    rounding; erf/tanh/exp differ by an ulp between libm and torch), the
+    clamp masks identical. Odd, partial-block and multi-block widths."""
+    from conftest import glu_error_bounds
+
+    for M, H in [(3, 1), (4, 100), (2, 300)]:
+        gen = torch.Generator().manual_seed(M * H)
+        x12 = (torch.randn(M, 2 * H, generator=gen) * 2).to(dtype)
+        dh = torch.randn(M, H, generator=gen).to(dtype)
+        host_launcher.launches.clear()
+        h, saved = run.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
+        h_cpu, saved_cpu = run.run_swiglu_forward_fp8(x12, "torch", None, spec)
+        assert torch.equal(h, run.run_swiglu_forward(x12, None, None, host_launcher, spec))
+        _same_saved(saved, saved_cpu, H, spec)
+        dx12, h_bwd = run.run_swiglu_backward_fp8(saved_cpu, dh, None, host_launcher, spec)
+        dx12_cpu, h_bwd_cpu = run.run_swiglu_backward_fp8(saved_cpu, dh, "torch", None, spec)
+        variant = kernel_variant(spec)
+        assert [n for n, *_ in host_launcher.launches if "_fp8_" in n] == [
+            kernel_name(kind, False, 1, variant) for kind in ("swiglu_forward_fp8", "swiglu_backward_fp8")]
+        x12_saved = saved_x12.dequantize_torch(saved_cpu, H, spec)
+        h_bound, dx12_bound = glu_error_bounds(x12_saved.to(dtype), dh, spec, h_bwd_cpu, dx12_cpu)
+        assert ((h_bwd.double() - h_bwd_cpu.double()).abs() <= h_bound).all()
+        assert ((dx12.double() - dx12_cpu.double()).abs() <= dx12_bound).all()
+        if spec.limit is not None:
+            assert torch.equal(dx12 == 0, dx12_cpu == 0)
+
