@@ -22,7 +22,9 @@ def test_kernel_names_cover_every_packs_per_thread_candidate():
     assert packs == [1, 2, 4]
     expected = {f"swiglu_{kind}_{width}_p{p}" for kind in ("forward", "backward")
                 for width in ("vec", "scalar") for p in packs}
-    assert set(_sources.kernel_names()) == expected
+    fp8 = {f"swiglu_{kind}_fp8_scalar_p{p}" for kind in ("forward", "backward") for p in packs}  # scalar only
+    assert set(_sources.kernel_names()) == expected | fp8
+    assert all(f"GLU_{n.split('_')[1].upper()}_FP8_ENTRY({n}," in _sources.module_source() for n in fp8)
     src = _sources.module_source()
     for name in expected:
         kind = name.split("_")[1].upper()
