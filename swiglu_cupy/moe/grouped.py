@@ -24,7 +24,9 @@ One apply-only Function (``MoEExpertsFunction``) holds the graph. It saves
 x_sorted and x12 (D + 2I elements per routed row, never h or the down
 output) plus the offsets and routing weights, the same tensors whatever
 requires grad, so checkpoint recomputes match; ``recompute_gate_up`` saves
-x_sorted only and recomputes x12 in backward (one grouped GEMM more).
+x_sorted only and recomputes x12 in backward (one grouped GEMM more);
+``saved_x12="fp8"`` saves x12 as float8 e4m3 with a float32 scale per 128
+columns (``primitives.saved_x12``: one uint8 tensor in x12's place).
 
 The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
 where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
@@ -53,6 +55,7 @@ from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_
 from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
+from ..primitives.saved_x12 import saved_row_bytes
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
 
@@ -171,11 +174,15 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 # ---- the computation (plain bodies; the registered ops below wrap them) --------------------
 
-def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool):
+def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool,
+                  fp8: bool = False):
     groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
     x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
-    # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
-    h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+    if fp8:  # h and the 8-bit saved x12 (returned in x12's place) in one pass
+        h, x12 = run.run_swiglu_forward_fp8(x12, None, None, activation)
+    else:
+        # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
+        h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -184,7 +191,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
 
 
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
-                   tail: bool, needs: tuple):
+                   tail: bool, needs: tuple, fp8: bool = False):
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
     groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
     recomputed = x12 is None
@@ -204,7 +211,11 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to
     # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
     # row blocks instead of joining two halves afterwards).
-    dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
+    if fp8:  # x12 is the 8-bit saved tensor
+        dx12, h = run.run_swiglu_backward_fp8(x12, dh, None, None, activation)
+    else:
+        dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None,
+                                          activation)
     dx = dw12 = db12 = dw3 = db3 = drw = None
     if g is not None:
         drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)
@@ -230,15 +241,18 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
 def _forward_op(x: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
                 w3: torch.Tensor, b3: torch.Tensor | None, rw: torch.Tensor | None, kind: str,
                 limit: float | None, alpha: float, up_offset: float, interleaved: bool, transposed: bool,
-                tail: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                tail: bool, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, fp8)
 
 
 @_forward_op.register_fake
-def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail):
+def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail, fp8=False):
     two_i = w12.shape[2] if transposed else w12.shape[1]
     dtype = x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype)
+    if fp8:
+        saved = x.new_empty((x.shape[0], saved_row_bytes(two_i // 2, interleaved)), dtype=torch.uint8)
+        return x.new_empty((x.shape[0], x.shape[1]), dtype=dtype), saved
     return x.new_empty((x.shape[0], x.shape[1]), dtype=dtype), x.new_empty((x.shape[0], two_i))
 
 
@@ -246,31 +260,32 @@ def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleav
 def _backward_op(dy: torch.Tensor, x: torch.Tensor, x12: torch.Tensor | None, offsets: torch.Tensor,
                  w12: torch.Tensor, b12: torch.Tensor | None, w3: torch.Tensor, b3: torch.Tensor | None,
                  rw: torch.Tensor | None, kind: str, limit: float | None, alpha: float, up_offset: float,
-                 interleaved: bool, transposed: bool, tail: bool, needs: list[bool]) -> list[torch.Tensor]:
+                 interleaved: bool, transposed: bool, tail: bool, needs: list[bool], fp8: bool = False
+                 ) -> list[torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs))
+    grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs), fp8)
     return [x.new_empty(0) if g is None else g for g in grads]  # an op returns tensors only
 
 
 @_backward_op.register_fake
 def _(dy, x, x12, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail,
-      needs):
+      needs, fp8=False):
     like = (x, w12, b12, w3, b3, rw)
     return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for need, t in zip(needs, like)]
 
 
-def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail):
+def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, fp8=False):
     if torch.compiler.is_compiling():
-        return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail)
+        return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail, fp8)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, fp8)
 
 
-def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs):
+def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, fp8=False):
     if torch.compiler.is_compiling():
         grads = _backward_op(dy, x, x12, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed,
-                             tail, list(needs))
+                             tail, list(needs), fp8)
         return tuple(g if need else None for g, need in zip(grads, needs))
-    return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs)
+    return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, fp8)
 
 
 # ---- the Function --------------------------------------------------------------------------
@@ -279,49 +294,56 @@ class MoEExpertsFunction(LeanApplyFunction):
     """The experts feed-forward over grouped rows, apply-only (layout in the module docstring).
 
     ``apply(x_sorted, offsets, w12, b12, w3, b3, routing_weights, activation,
-    transposed, recompute_gate_up, tail) -> (y, x12)``, all positional: the
+    transposed, recompute_gate_up, tail, saved_x12_fp8) -> (y, x12)``, all positional: the
     arguments were validated by the caller (``grouped_experts`` /
     ``routed_experts`` / the Hugging Face experts function). It saves the same
     tensors whatever requires grad: x_sorted, offsets, the weights, the routing
-    weights and x12 (not x12 with ``recompute_gate_up``). ``x12`` is returned
-    only so that it can be saved; it is non-differentiable.
+    weights and x12 (not x12 with ``recompute_gate_up``; the 8-bit saved x12
+    with ``saved_x12_fp8``). ``x12`` is returned only so that it can be
+    saved; it is non-differentiable.
     """
 
     @staticmethod
-    def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail):
-        return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)
+    def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail,
+                saved_x12_fp8):
+        return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, saved_x12_fp8)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail = inputs
+        x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail, saved_x12_fp8 = inputs
         mark_saved_only(ctx, output[1])
         ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, None if recompute_gate_up else output[1])
         ctx.modes = (activation, transposed, tail)
+        ctx.saved_x12_fp8 = saved_x12_fp8
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 11
+            return (None,) * 12
         x, offsets, w12, b12, w3, b3, rw, x12 = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
         needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
                  need_rw and rw is not None)
-        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs)
-        return dx, None, dw12, db12, dw3, db3, drw, None, None, None, None
+        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs,
+                                                  ctx.saved_x12_fp8)
+        return dx, None, dw12, db12, dw3, db3, drw, None, None, None, None, None
 
 
 def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
-                recompute_gate_up: bool, tail: bool) -> torch.Tensor:
+                recompute_gate_up: bool, tail: bool, saved_x12_fp8: bool = False) -> torch.Tensor:
     """The Function on arguments valid by construction (no checks): the one
     place it is applied. Under autocast, x and the weights are cast to the
     autocast dtype (as nn.Linear does); under no_grad the forward runs without
-    the Function (no graph, nothing to save)."""
+    the Function (no graph, nothing to save). ``saved_x12_fp8``: see
+    ``grouped_experts``'s ``saved_x12`` (checked by the caller)."""
     def run(tensors):
         x, w12, b12, w3, b3 = tensors
         if graph_needed(x, w12, w3):
+            if saved_x12_fp8:
+                check.check_fp8_compute_dtype(x.dtype)
             return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
-                                            recompute_gate_up, tail)[0]
+                                            recompute_gate_up, tail, saved_x12_fp8)[0]
         return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail)[0]
     return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
 
@@ -331,7 +353,7 @@ def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUAc
 def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, w3: torch.Tensor,
                     b12: torch.Tensor | None = None, b3: torch.Tensor | None = None, *,
                     routing_weights: torch.Tensor | None = None, activation="silu", transposed: bool = False,
-                    recompute_gate_up: bool = False) -> torch.Tensor:
+                    recompute_gate_up: bool = False, saved_x12=None) -> torch.Tensor:
     """The experts GLU feed-forward over rows already grouped by expert: ``y [S, D]``.
 
     ``offsets`` are int32 cumulative group ends (``offsets[-1] == S``; empty
@@ -340,7 +362,9 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
     (its ``interleaved`` flag names w12's gate/up layout). ``routing_weights``
     [S] multiply each row's down output, bias included. Checking the offsets'
     values copies them to the host once (use ``routed_experts`` to route from
-    top-k ids). Layouts and the saved tensors: the module docstring.
+    top-k ids). ``saved_x12="fp8"`` saves x12 in 8 bits (as ``swiglu``'s;
+    not with ``recompute_gate_up``). Layouts and the saved tensors: the
+    module docstring.
     """
     check.reject_jit()
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
@@ -348,9 +372,10 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
         raise ValueError(f"x_sorted must be a 2-D tensor [S, D], got {shape}")
     E, _ = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
     check.check_flags(recompute_gate_up=recompute_gate_up)
+    fp8 = check.check_saved_x12(saved_x12, recompute_gate_up)
     spec = resolve_activation(activation)
     S = x_sorted.shape[0]
     check.check_offsets(offsets, E, S, x_sorted.device)
     check.check_routing_weights("routing_weights", routing_weights, (S,), x_sorted)
     return run_experts(x_sorted, offsets, w12, b12, w3, b3, routing_weights, spec, transposed,
-                       recompute_gate_up, False)
+                       recompute_gate_up, False, fp8)
