@@ -229,3 +229,137 @@ def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
         if spec.limit is not None:
             assert torch.equal(dx12 == 0, dx12_cpu == 0)
 
+
+
+# ---- the clamp boundary rule -------------------------------------------------------------------
+
+@pytest.mark.parametrize("implementation", ["torch", "host_kernels"])
+@pytest.mark.parametrize("limit, value, saved, passes", [
+    (1.02, 1.03, 1.0, True),        # above the limit, saved below it: the gradient passes
+    (1.05, 1.04, 120 / 112, False),  # below the limit, saved above it: the gradient is cut
+])
+def test_clamp_masks_follow_the_saved_value_across_the_limit(implementation, limit, value, saved, passes,
+                                                             host_launcher):
+    """Each block's amax is 4, so scale = 4/448 = 1/112 and values near 1 are
+    saved on the e4m3 grid 104/112, 112/112, 120/112 (step 8 at 112); the
+    midpoint 116/112 = 1.0357 rounds to even. A gate (and an up, mirrored to
+    -value) whose saved value falls on the other side of the limit takes the
+    saved value's mask: the rule in docs/design.md."""
+    spec = deepseek_v4(limit)
+    gate = torch.tensor([[4.0, value, 0.5]])
+    up = torch.tensor([[4.0, 0.5, -value]])
+    x12 = torch.cat([gate, up], 1)
+    impl, launcher = ("torch", None) if implementation == "torch" else (None, host_launcher)
+    _, stored = run.run_swiglu_forward_fp8(x12, impl, launcher, spec)
+    back = saved_x12.dequantize_torch(stored, 3, spec)
+    assert back[0, 1].item() == pytest.approx(saved, rel=1e-7) and back[0, 5].item() == pytest.approx(-saved, rel=1e-7)
+    assert (value > limit) == passes and (saved > limit) != passes  # the rounding crosses the limit
+    dx12, _ = run.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
+    dgate, dup = dx12.chunk(2, 1)
+    assert (dgate[0, 1] != 0) == passes and (dup[0, 2] != 0) == passes
+    assert dgate[0, 2] != 0 and dup[0, 1] != 0  # far from the limit: unaffected
+    assert dgate[0, 0] == 0 and dup[0, 0] == 0  # 4 is beyond the limit either way
+
+
+# ---- the modes it combines with ----------------------------------------------------------------
+
+def _model_and_input(dtype=torch.float32, activation="silu"):
+    torch.manual_seed(0)
+    model = sc.SwiGLU(32, 128, activation=activation, saved_x12="fp8", dtype=dtype)
+    return model, torch.randn(3, 5, 32, dtype=dtype, requires_grad=True)
+
+
+def _all_grads(model, x, fn):
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    fn().pow(2).sum().backward()
+    return [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_checkpoint_both_modes_matches_the_plain_fp8_run(use_reentrant):
+    model, x = _model_and_input()
+    plain = _all_grads(model, x, lambda: model(x))
+    ckpt = _all_grads(model, x, lambda: checkpoint(model, x, use_reentrant=use_reentrant))
+    for g, g_ref in zip(ckpt, plain):
+        assert_nontrivial(g, "grad")
+        assert torch.equal(g, g_ref)
+
+
+def test_autocast_saves_the_8_bits_of_the_bf16_x12():
+    model, x = _model_and_input()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x)
+    assert y.dtype == torch.bfloat16
+    activations = [t for t in saved if t.shape[0] != 2 * 128 and t.shape[0] != 32]  # not the weights
+    assert [(t.dtype, tuple(t.shape)) for t in activations] == [
+        (torch.bfloat16, (3, 5, 32)), (torch.uint8, (15, saved_x12.saved_row_bytes(128, False)))]
+    y.float().pow(2).sum().backward()
+    assert_nontrivial(x.grad, "x")
+    assert x.grad.dtype == torch.float32
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    from conftest import assert_compiled_matches_eager
+
+    model, x = _model_and_input(activation=GLUActivation("gelu_tanh", limit=2.0, interleaved=True))
+    assert_compiled_matches_eager(model, x, tol=1e-5)
+
+
+def test_moe_saved_x12_fp8_bytes_and_gradients():
+    """routed_experts: the saved x12 is the 8-bit tensor (<= 0.53x bf16 x12),
+    and the gradients are within the e4m3 bound of the default mode's."""
+    from swiglu_cupy.moe import grouped_experts, routed_experts
+
+    torch.manual_seed(0)
+    T, D_, I, E, K = 12, 32, 128, 4, 2
+    x = torch.randn(T, D_, dtype=torch.bfloat16, requires_grad=True)
+    w12 = (torch.randn(E, 2 * I, D_) / D_ ** 0.5).to(torch.bfloat16).requires_grad_()
+    w3 = (torch.randn(E, D_, I) / I ** 0.5).to(torch.bfloat16).requires_grad_()
+    idx, wts = torch.randint(0, E, (T, K)), torch.rand(T, K)
+    runs = {}
+    for mode in (None, "fp8"):
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t) or t, lambda t: t):
+            y = routed_experts(x, idx, wts, w12, w3, saved_x12=mode)
+        x12_like = [t for t in sizes if t.dim() == 2 and t.shape[0] == T * K and t.shape[1] >= 2 * I]
+        assert len(x12_like) == 1
+        y.float().pow(2).sum().backward()
+        runs[mode] = (x12_like[0], [x.grad.clone(), w12.grad.clone(), w3.grad.clone()])
+        x.grad = w12.grad = w3.grad = None
+    fp8_saved, bf16_saved = runs["fp8"][0], runs[None][0]
+    assert fp8_saved.dtype == torch.uint8 and bf16_saved.dtype == torch.bfloat16
+    assert fp8_saved.numel() * 1 <= 0.53 * bf16_saved.numel() * 2
+    for g, g_ref in zip(runs["fp8"][1], runs[None][1]):
+        assert_nontrivial(g, "grad")
+        assert 1e-3 < rel_rms(g, g_ref) < 0.05
+    offsets = torch.tensor([3, 6, 9, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="saved_x12 must be None"):
+        grouped_experts(x[:12], offsets, w12, w3, saved_x12="e4m3")
+    with pytest.raises(ValueError, match="recompute_gate_up"):
+        routed_experts(x, idx, wts, w12, w3, saved_x12="fp8", recompute_gate_up=True)
+
+
+def test_patch_reaches_the_fused_mlp_op():
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(32, 128, bias=False), nn.Linear(32, 128, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(128, 32, bias=False), nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    model = nn.Sequential(MLP())
+    assert len(sc.patch(model, saved_x12="fp8")) == 1
+    x = torch.randn(6, 32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        model(x).sum().backward()
+    assert any(t.dtype == torch.uint8 for t in saved)
+    with pytest.raises(ValueError, match="saved_x12 must be None"):
+        sc.patch(model, saved_x12="int8")
