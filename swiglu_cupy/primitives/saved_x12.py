@@ -24,8 +24,6 @@ non-finite, as its gradients would be anyway.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -121,7 +119,3 @@ def dequantize_torch(saved: torch.Tensor, H: int, spec: GLUActivation) -> torch.
         first += blocks
     return parts[0] if spec.interleaved else torch.cat(parts, 1)
 
-
-def saved_bytes_ratio(H: int, interleaved: bool, dtype_size: int = 2) -> float:
-    """Bytes saved per row by the 8-bit x12 over x12 in a ``dtype_size``-byte dtype."""
-    return saved_row_bytes(H, interleaved) / (2 * H * dtype_size) if H else math.nan
