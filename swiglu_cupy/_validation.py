@@ -94,9 +94,6 @@ def check_flags(**flags) -> None:
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
 
-SAVED_X12_CHOICES = (None, "fp8")
-
-
 def check_saved_x12(saved_x12, recompute_gate_up: bool = False, inplace_backward: bool = False) -> bool:
     """Whether ``saved_x12`` asks for the 8-bit saved x12 (``"fp8"``); None
     keeps x12 in the compute dtype. The memory modes that already keep no

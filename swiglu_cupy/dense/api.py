@@ -61,8 +61,8 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     ``SwiGLUFunction``. ``saved_x12="fp8"`` keeps x12 for backward as float8 e4m3 with a float32
     scale per 128 columns (about 0.52x the bytes of a bf16 x12; default None: the compute dtype;
     float32/bfloat16/float16 compute, see docs/design.md). Under ``torch.autocast`` the inputs are
-    cast to the autocast dtype (as
-    ``nn.Linear`` does), and the gradients flow back in each input's dtype.
+    cast to the autocast dtype (as ``nn.Linear`` does), and the gradients flow back in each input's
+    dtype.
     """
     check.reject_jit()
     if not check.common_packed_case(x, w12, b12, w3, b3):

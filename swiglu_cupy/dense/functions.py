@@ -82,7 +82,7 @@ class SwiGLUFunction(LeanApplyFunction):
         ctx.activation = activation
         ctx.recompute_gate_up = recompute_gate_up
         ctx.inplace_backward = inplace_backward
-        ctx.saved_x12_fp8 = saved_x12_fp8 and not inference
+        ctx.saved_x12_fp8 = saved_x12_fp8
         ctx.backward_done = False
 
     @staticmethod
