@@ -95,13 +95,15 @@ template <int N> __device__ __forceinline__ void store_pack(scalar_t* p, const P
 // x tiles cover blockDim.x * PACKS packs of a row, y covers rows. Both loop
 // grid-stride, so a capped grid covers any M and H (gridDim.y <= 65535 too).
 // The loops stay rolled: unrolling them multiplies live registers, not bytes in flight.
-#define SWIGLU_FOR_EACH_TILE(N, PACKS, row, col0)                                     \
+#define SWIGLU_FOR_EACH_TILE(N, PACKS, row, col0) SWIGLU_FOR_EACH_TILE_OF(N, PACKS, row, col0, H)
+// The same over COLS columns (the fp8 kernels step over a row's 128-column blocks).
+#define SWIGLU_FOR_EACH_TILE_OF(N, PACKS, row, col0, COLS)                            \
     _Pragma("unroll 1")                                                                \
     for (index_t row = (index_t)blockIdx.y * blockDim.y + threadIdx.y; row < M;        \
          row += (index_t)gridDim.y * blockDim.y)                                       \
         _Pragma("unroll 1")                                                            \
         for (index_t col0 = ((index_t)blockIdx.x * blockDim.x * (PACKS) + threadIdx.x) * (N); \
-             col0 < H; col0 += (index_t)gridDim.x * blockDim.x * (PACKS) * (N))
+             col0 < (COLS); col0 += (index_t)gridDim.x * blockDim.x * (PACKS) * (N))
 
 // Column of pack p of this thread's tile (valid only when < H).
 template <int N> __device__ __forceinline__ index_t pack_column(index_t col0, int p) {

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from ._dtypes import SUPPORTED_DTYPES
+from ._dtypes import FP8_SAVED_X12_DTYPES, SUPPORTED_DTYPES
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -92,6 +92,32 @@ def check_flags(**flags) -> None:
     for name, flag in flags.items():
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+
+
+def check_saved_x12(saved_x12, recompute_gate_up: bool = False, inplace_backward: bool = False) -> bool:
+    """Whether ``saved_x12`` asks for the 8-bit saved x12 (``"fp8"``); None
+    keeps x12 in the compute dtype. The memory modes that already keep no
+    x12 (``recompute_gate_up``) or reuse its buffer (``inplace_backward``)
+    cannot take it."""
+    if saved_x12 is None:
+        return False
+    if not isinstance(saved_x12, str) or saved_x12 != "fp8":
+        raise ValueError(f"saved_x12 must be None (x12 saved in the compute dtype) or 'fp8' (float8 e4m3 "
+                         f"with a float32 scale per 128 columns), got {saved_x12!r}")
+    if recompute_gate_up:
+        raise ValueError("saved_x12='fp8' cannot be combined with recompute_gate_up=True: that mode saves no "
+                         "x12 at all (it recomputes it in backward); pick one of the two")
+    if inplace_backward:
+        raise ValueError("saved_x12='fp8' cannot be combined with inplace_backward=True: dx12 cannot be "
+                         "written over an 8-bit x12 half its size; pick one of the two")
+    return True
+
+
+def check_fp8_compute_dtype(dtype: torch.dtype) -> None:
+    """The compute dtype (after autocast) of a call with saved_x12='fp8'."""
+    if dtype not in FP8_SAVED_X12_DTYPES:
+        raise TypeError(f"saved_x12='fp8' takes float32, bfloat16 or float16 compute, got {dtype} (float64 is "
+                        "the checking dtype: its x12 is kept exact; pass saved_x12=None)")
 
 
 def reject_jit() -> None:

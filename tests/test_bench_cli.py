@@ -104,7 +104,12 @@ def test_cpu_bench_json(cpu_run):
     assert [(c["what"], c["dtype"]) for c in cpu_path["cases"]] == [
         ("fwd_bwd", "fp32"), ("nograd_fwd", "fp32"), ("fwd_bwd", "bf16"), ("nograd_fwd", "bf16")]
     for case in cpu_path["cases"]:
-        assert set(case["ms"]) == {"eager_hf", "swiglu_cupy"} and case["goal"] is not None
+        fp8 = {"swiglu_cupy_fp8"} if case["what"] == "fwd_bwd" else set()  # saved_x12="fp8": with a graph only
+        assert set(case["ms"]) == {"eager_hf", "swiglu_cupy"} | fp8 and case["goal"] is not None
+        if fp8:
+            _positive_stats(case["ms"]["swiglu_cupy_fp8"], "fp8")
+            assert case["fp8_ratio"] == pytest.approx(
+                case["ms"]["swiglu_cupy_fp8"]["median"] / case["ms"]["eager_hf"]["median"])
         _positive_stats(case["ms"]["swiglu_cupy"], case["what"])
         assert case["ratio"] == pytest.approx(case["ms"]["swiglu_cupy"]["median"] / case["ms"]["eager_hf"]["median"])
     comp = report["compile"][0]

@@ -39,7 +39,8 @@ def _report():
                            "null_reasons": {"liger": "skipped (--skip)"}}],
         "cpu_path": {"shape": {"D": 512, "H": 1408, "M": 2048}, "threads": 1, "rounds": 7, "reference": "eager_hf",
                      "cases": [{"what": "fwd_bwd", "dtype": "bf16", "goal": 1.15, "ratio": 1.1,
-                                "ms": {"eager_hf": _stats(100.0), "swiglu_cupy": _stats(110.0)}}]},
+                                "ms": {"eager_hf": _stats(100.0), "swiglu_cupy": _stats(110.0),
+                                       "swiglu_cupy_fp8": _stats(130.0)}, "fp8_ratio": 1.3}]},
         "compile": [{"dtype": "bf16", "cold": {"first_call_s": 1.25}, "warm": None,
                      "null_reasons": {"warm": "failed: boom"}}],
         "wall_s": 7.0,
@@ -68,7 +69,7 @@ def test_table_rows_ratios_and_reasons():
     assert "ratio ours / eager_hf, host overhead per call, no_grad: 0.90x (goal <= 1.00x)" in lines
     assert "CPU path (M=2048, D=512, H=1408, 1 thread(s); median of 7 interleaved calls each):" in lines
     assert ("ratio ours / eager_hf, CPU path fwd+bwd bf16: 1.10x (goal <= 1.15x)  "
-            "(median ms: ours 110.0, eager_hf 100.0)") in lines
+            "(median ms: ours 110.0, ours with saved_x12='fp8' 130.0, eager_hf 100.0)") in lines
     assert "kernel compile, first fwd+bwd in a new process (bf16): cold 1.25 s; warm - (failed: boom)" in lines
     assert lines[-1] == "total bench time: 7.0 s"
 

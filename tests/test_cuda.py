@@ -282,6 +282,32 @@ def test_every_variant_kernel_matches_torch_on_cuda(variant):
                                                                activation=spec), h)
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.tag or "swiglu")
+def test_fp8_saved_x12_kernels_match_the_cpu_path_on_cuda(variant):
+    """saved_x12="fp8" on CUDA (CPU counterpart: test_saved_x12_fp8.py, host
+    execution): the saved bytes and scales identical to the CPU path's, the
+    backward from them within the single-rounding bounds, masks identical."""
+    from swiglu_cupy.primitives import run, saved_x12
+
+    spec = spec_of_variant(variant)
+    for dtype in CUDA_DTYPES:
+        for M, H in [(3, 7), (257, 1001), (64, 1376)]:
+            torch.manual_seed(M + H)
+            x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(dtype)
+            dh = torch.randn(M, H, device="cuda").to(dtype)
+            h, saved = run.run_swiglu_forward_fp8(x12, "kernels", None, spec)
+            h_cpu, saved_cpu = run.run_swiglu_forward_fp8(x12.cpu(), "torch", None, spec)
+            assert torch.equal(saved.cpu(), saved_cpu)
+            dx12, h_bwd = run.run_swiglu_backward_fp8(saved, dh, "kernels", None, spec)
+            ref_dx12, ref_h = run.run_swiglu_backward_fp8(saved_cpu, dh.cpu(), "torch", None, spec)
+            x12_saved = saved_x12.dequantize_torch(saved_cpu, H, spec).to(dtype)
+            h_bound, dx12_bound = glu_error_bounds(x12_saved, dh.cpu(), spec, ref_h, ref_dx12)
+            assert ((h_bwd.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()
+            assert ((dx12.cpu().double() - ref_dx12.double()).abs() <= 2 * dx12_bound).all()
+            if spec.limit is not None:
+                assert torch.equal(dx12.cpu() == 0, ref_dx12 == 0)
+
+
 @pytest.mark.parametrize("spec", [GPT_OSS, deepseek_v4(10.0), GLUActivation("gelu_tanh")], ids=str)
 def test_variant_function_parity_checkpoint_and_compile_on_cuda(spec):
     torch.manual_seed(1)

@@ -61,9 +61,10 @@ class Stack(nn.Module):
     ``ckpt``: None, "non_reentrant" or "reentrant" checkpoint around blocks.
     """
 
-    def __init__(self, ckpt: str | None = None, activation="silu"):
+    def __init__(self, ckpt: str | None = None, activation="silu", saved_x12=None):
         super().__init__()
-        self.blocks = nn.ModuleList(sc.SwiGLU(D, H, activation=activation) for _ in range(N_BLOCKS))
+        self.blocks = nn.ModuleList(sc.SwiGLU(D, H, activation=activation, saved_x12=saved_x12)
+                                    for _ in range(N_BLOCKS))
         self.norm = nn.LayerNorm(D)  # owned by the root: FSDP2's root group
         self.ckpt = ckpt
 
@@ -82,13 +83,14 @@ def build_model(ckpt=None) -> Stack:
     return Stack(ckpt)
 
 
-# GPT-OSS's form (OAI, interleaved) with a limit the blocks' x12 crosses, so the clamps cut.
+# GPT-OSS's form (OAI, interleaved) with a limit the blocks' x12 crosses, so the clamps cut;
+# x12 saved in 8 bits (its scales are per row: the same whatever the ranks' batch split).
 GPT_OSS_TIGHT = dataclasses.replace(sc.GPT_OSS, limit=0.5)
 
 
 def build_gpt_oss_model(ckpt=None) -> Stack:
     torch.manual_seed(0)
-    return Stack(ckpt, activation=GPT_OSS_TIGHT)
+    return Stack(ckpt, activation=GPT_OSS_TIGHT, saved_x12="fp8")
 
 
 def global_batch():
@@ -402,9 +404,9 @@ def test_fsdp2_checkpoint_input_without_grad(tmp_path, monkeypatch):
 
 
 def test_fsdp2_checkpoint_with_a_glu_variant(tmp_path, monkeypatch):
-    """The same with GPT-OSS's clamped, interleaved variant: FSDP2 shards the
-    interleaved w12 by rows and all-gathers it whole, so the variant's fused
-    op sees the unsharded layout."""
+    """The same with GPT-OSS's clamped, interleaved variant and x12 saved in
+    8 bits (saved_x12="fp8"): FSDP2 shards the interleaved w12 by rows and
+    all-gathers it whole, so the variant's fused op sees the unsharded layout."""
     ref = reference_run(build=build_gpt_oss_model)
     for result in launch("fsdp2_gpt_oss", tmp_path, monkeypatch):
         assert_matches(result, ref)

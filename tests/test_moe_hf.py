@@ -159,6 +159,30 @@ def test_recompute_gate_up_saves_less():
     _assert_grads_close(grads, ref_grads, "recompute_gate_up")
 
 
+def test_saved_x12_fp8_reaches_the_experts():
+    """patch_experts(saved_x12="fp8"): the experts save the 8-bit x12 (a uint8
+    tensor per experts call), and the gradients stay within e4m3's error of
+    grouped_mm's (the forward is unchanged)."""
+    model = tiny_model("mixtral")
+    hx.patch_experts(model, saved_x12="fp8")
+    assert all(hx.experts_plan(m).saved_x12 == "fp8" for m in experts_modules(model))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+        out = model(_ids(), labels=_ids())  # not _run: it patches again, with the default mode
+    out.loss.backward()
+    logits, grads = out.logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert saved.count(torch.uint8) == len(experts_modules(model))
+    ref_logits, ref_grads = _run(tiny_model("mixtral"), "grouped_mm", _ids())
+    assert _rel(logits, ref_logits) <= LOGITS_RTOL
+    experts_grads = [n for n in ref_grads if "experts" in n]
+    assert experts_grads
+    for name in experts_grads:
+        assert_nontrivial(grads[name], name)
+        assert 1e-4 < _rel(grads[name], ref_grads[name]) < 0.1, name
+    with pytest.raises(ValueError, match="saved_x12 must be None"):
+        hx.patch_experts(model, saved_x12="fp16")
+
+
 # ---- gates and flags -----------------------------------------------------------------------
 
 E, D, I = 4, 32, 16

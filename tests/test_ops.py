@@ -16,6 +16,10 @@ def test_opcheck_custom_ops(dtype):
     torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_backward.default, (x12, dh))
     torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_forward_inplace.default, (x12.clone(),))
     torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_backward_inplace.default, (x12.clone(), dh))
+    h, saved = torch.ops.swiglu_cupy.swiglu_forward_fp8(x12)
+    assert saved.dtype == torch.uint8 and torch.equal(h, torch.ops.swiglu_cupy.swiglu_forward(x12))
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_forward_fp8.default, (x12,))
+    torch.library.opcheck(torch.ops.swiglu_cupy.swiglu_backward_fp8.default, (saved, dh))
 
 
 def test_ops_match_the_primitives():

@@ -39,7 +39,7 @@ class SwiGLUFunction(LeanApplyFunction):
     elementwise pass.
 
     ``apply(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up,
-    inplace_backward, inference) -> (y, x12)`` (all eleven positional and
+    inplace_backward, saved_x12_fp8, inference) -> (y, x12)`` (all twelve positional and
     required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
     and return ``y``):
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
@@ -50,6 +50,11 @@ class SwiGLUFunction(LeanApplyFunction):
       extra GEMM, D instead of D + 2H saved elements per token).
     - ``inplace_backward``: write dx12 over the saved x12 (one [M, 2H] buffer
       less); the graph can then be backpropagated only once.
+    - ``saved_x12_fp8``: save x12 as the 8-bit tensor of
+      ``primitives.saved_x12`` (float8 e4m3fn with a float32 scale per 128
+      columns; the second output is then that uint8 tensor), written by the
+      forward's elementwise pass and read by the backward's; exclusive with
+      the two modes above (the API refuses the combinations).
     - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
       Then h is written over the gate half of x12 and the down projection
       reads that strided view: nothing is allocated besides x12 and y.
@@ -59,12 +64,14 @@ class SwiGLUFunction(LeanApplyFunction):
     """
 
     @staticmethod
-    def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference):
-        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x))
+    def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8,
+                inference):
+        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x),
+                                   saved_x12_fp8)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, inference = inputs
+        x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8, inference = inputs
         mark_saved_only(ctx, output[1])
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
@@ -75,13 +82,14 @@ class SwiGLUFunction(LeanApplyFunction):
         ctx.activation = activation
         ctx.recompute_gate_up = recompute_gate_up
         ctx.inplace_backward = inplace_backward
+        ctx.saved_x12_fp8 = saved_x12_fp8
         ctx.backward_done = False
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 11
+            return (None,) * 12
         if ctx.inplace_backward and ctx.backward_done:
             raise RuntimeError(
                 "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
@@ -100,8 +108,11 @@ class SwiGLUFunction(LeanApplyFunction):
         dh = torch.mm(dy2d, w3)                                            # GEMM 1
         # In-place reuse is always safe for the recomputed x12 (nobody else
         # holds it), but not under torch.func, where dh may carry a vmap batch.
-        inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
-        dx12, h = route.backward(x12, dh, inplace, ctx.activation)          # one fused pass
+        if ctx.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
+            dx12, h = route.backward_fp8(x12, dh, ctx.activation)
+        else:
+            inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
+            dx12, h = route.backward(x12, dh, inplace, ctx.activation)      # one fused pass
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
         H = dh.shape[1]
         if need_x:
@@ -116,22 +127,29 @@ class SwiGLUFunction(LeanApplyFunction):
             dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *spec_and_modes):
         return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), spec_and_modes)
 
 
-def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool):
-    """The forward's computation: (y, x12). ``inference`` comes from the
+def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
+                        saved_x12_fp8: bool = False):
+    """The forward's computation: (y, x12), or (y, the 8-bit saved x12) with
+    ``saved_x12_fp8`` (not under ``inference``). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path. The API calls this directly under no_grad (no
     graph, so the Function has no job there)."""
     flat = x.dim() == 2
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
-    h = route.forward_inplace(x12, activation) if inference else route.forward(x12, activation)
+    if inference:
+        h = route.forward_inplace(x12, activation)
+    elif saved_x12_fp8:
+        h, x12 = route.forward_fp8(x12, activation)  # h and the 8-bit x12 in one pass; x12 itself is dropped
+    else:
+        h = route.forward(x12, activation)
     return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
 
 

@@ -33,7 +33,9 @@ class FusedGLUMLP(nn.Module):
       the first forward on real weights, before anything runs fused (or by
       patching again); None once decided;
     - ``recompute_gate_up``, ``inplace_backward``: the memory modes of the fused
-      op (see :class:`swiglu_cupy.SwiGLUFunction`), settable at any time.
+      op (see :class:`swiglu_cupy.SwiGLUFunction`), settable at any time;
+    - ``saved_x12``: None, or ``"fp8"`` to save x12 in 8 bits when the whole
+      MLP runs fused (see :func:`swiglu_cupy.swiglu`).
 
     Pickling (``torch.save(model)``), ``copy.deepcopy`` and ``model.to(...)``
     work; a pickle names the original class, so it loads wherever that class
@@ -44,6 +46,7 @@ class FusedGLUMLP(nn.Module):
     swiglu_pending: Candidates | None = None
     recompute_gate_up: bool = False
     inplace_backward: bool = False
+    saved_x12: str | None = None
     _swiglu_base: type = nn.Module
 
     def __init__(self, *args, **kwargs) -> None:
@@ -58,7 +61,7 @@ class FusedGLUMLP(nn.Module):
         plan = self.swiglu_plan
         if plan is None or args or kwargs:
             return super().forward(x, *args, **kwargs)
-        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward)
+        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, saved_x12=self.saved_x12)
 
     @property
     def swiglu_activation(self) -> GLUActivation | None:

@@ -99,7 +99,7 @@ def is_swiglu_mlp(module: nn.Module) -> bool:
 # ---- patching instances ----------------------------------------------------------------------
 
 def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
-                recompute_gate_up: bool = False, inplace_backward: bool = False) -> int:
+                recompute_gate_up: bool = False, inplace_backward: bool = False, saved_x12=None) -> int:
     """Fuse every Hugging Face style gated MLP and MoE experts module in
     ``model`` in place and return how many were newly patched: the walk of
     :func:`swiglu_cupy.patch` narrowed to Hugging Face's names (the same
@@ -115,7 +115,8 @@ def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
     and norms. It becomes an instance of ``Fused<its class>`` (a subclass:
     ``isinstance`` checks still hold), with the same children and parameters;
     see :class:`SwiGLUMLP` for what its forward runs. ``recompute_gate_up`` /
-    ``inplace_backward`` select the memory modes.
+    ``inplace_backward`` select the memory modes; ``saved_x12="fp8"`` saves
+    x12 in 8 bits (see :func:`swiglu_cupy.patch`).
 
     With ``verify=True`` (the default) the module's own forward must also match
     the fused one on a probe input. On the meta device (a model built by
@@ -127,7 +128,7 @@ def patch_model(model: nn.Module, strict: bool = False, *, verify: bool = True,
     """
     check_flags(strict=strict)
     report = walk(model, {"hf", "experts"}, verify=verify, recompute_gate_up=recompute_gate_up,
-                  inplace_backward=inplace_backward)
+                  inplace_backward=inplace_backward, saved_x12=saved_x12)
     patched = len(report.fused) + len(report.partial) + len(report.pending) - len(report.already) + report.experts
     if strict and patched == 0:
         detail = "".join(f"\n  {p or '<model>'}: {r}" for p, r in list(report.skipped.items())[:4])

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .._torch_compat import global_module_hooks_active
-from .._validation import check_flags
+from .._validation import check_flags, check_saved_x12
 from ..dense.module import SwiGLU
 from .forward import _is_noop, linear_obstacle
 from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
@@ -127,14 +127,14 @@ def _record_pending(report: PatchReport, path: str, module: nn.Module) -> None:
                             "at its first forward on real weights (or at patch() again)")
 
 
-def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False) -> int:
+def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x12=None) -> int:
     """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
     experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
     if "transformers.integrations.moe" not in sys.modules:
         return 0  # no experts class was ever defined in this process: none can be in the model
     from . import hf_experts
 
-    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up)
+    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12)
 
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
@@ -146,13 +146,14 @@ FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
 
 
 def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
-         inplace_backward: bool = False) -> PatchReport:
+         inplace_backward: bool = False, saved_x12=None) -> PatchReport:
     """The one walk over ``model`` (itself included): each module is looked at
     once, outermost first; a module that is handled (fused, skipped with a
     reason, or left out by ``families``) is not searched inside."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(verify=verify, recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
     unknown = set(families) - FAMILIES
     if unknown:
         raise ValueError(f"families must be a subset of {sorted(FAMILIES)}, got {sorted(unknown)}")
@@ -210,6 +211,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             continue
         if verify and on_meta(module):
             install_pending(module, cands, recompute_gate_up, inplace_backward, family)
+            module.saved_x12 = saved_x12
             _record_pending(report, path, module)
             continue
         plan, reason = choose_plan(module, cands, verify, (recompute_gate_up, inplace_backward))
@@ -219,14 +221,15 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 done.pop()  # shaped like one by accident (a Sequential of blocks?): look inside
             continue
         install(module, plan, recompute_gate_up, inplace_backward, family)
+        module.saved_x12 = saved_x12
         _record(report, path, module)
     if "experts" in families:
-        report.experts = patch_hf_experts(model, recompute_gate_up)
+        report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12)
     return report
 
 
 def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recompute_gate_up: bool = False,
-          inplace_backward: bool = False) -> PatchReport:
+          inplace_backward: bool = False, saved_x12=None) -> PatchReport:
     """Fuse every GLU feed-forward in ``model`` (the model itself included), in
     place, and return a :class:`PatchReport`.
 
@@ -246,11 +249,13 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     children and parameters: state_dict keys and checkpoints stay those of the
     unpatched model. Patching again changes nothing; already fused modules are
     reported again as such. ``recompute_gate_up``/``inplace_backward`` select
-    the memory modes. ``strict=True`` raises ``ValueError`` if nothing is fused.
+    the memory modes; ``saved_x12="fp8"`` saves x12 in 8 bits in the fused
+    MLPs (whole-MLP fusion) and Hugging Face experts (torchtitan's experts
+    and xformers' modules keep theirs). ``strict=True`` raises ``ValueError`` if nothing is fused.
     """
     check_flags(strict=strict)
     report = walk(model, FAMILIES, verify=verify, recompute_gate_up=recompute_gate_up,
-                  inplace_backward=inplace_backward)
+                  inplace_backward=inplace_backward, saved_x12=saved_x12)
     if strict and not len(report):
         detail = "".join(f"\n  {p or '<model>'}: {r}" for p, r in list(report.skipped.items())[:8])
         raise ValueError(f"patch(strict=True): nothing fused in {type(model).__name__}: no GLU feed-forward "

@@ -7,7 +7,8 @@ keyed on the source string and options only: an edited header must change the
 source, or a stale binary would be served after an upgrade.
 
 Each GLU variant (``KernelVariant``: activation kind x clamp x layout) is its
-own module of 12 entry points (direction x access width x packs per thread),
+own module of 18 entry points (direction x access width x packs per thread,
+and the 8-bit saved x12's direction x packs per thread),
 compiled lazily per (device, dtype, variant): SwiGLU alone compiles what it
 did before the other variants existed, and a model pays only for the
 variants it runs.
@@ -31,9 +32,11 @@ from .launch_config import MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent  # swiglu_cupy/ (the wheel puts kernels_cu/ there)
 _CANDIDATE_DIRS = (_PACKAGE_DIR / "kernels_cu", _PACKAGE_DIR.parent / "kernels_cu")
 
-KERNEL_FILES = ("swiglu_forward.cu", "swiglu_backward.cu")
-KERNEL_HEADERS = ("swiglu_common.cuh", "glu_activations.cuh")  # inlined by the files above
+KERNEL_FILES = ("swiglu_forward.cu", "swiglu_backward.cu", "swiglu_fp8.cu")
+KERNEL_HEADERS = ("swiglu_common.cuh", "glu_activations.cuh", "fp8_e4m3.cuh")  # inlined by the files above
 KERNEL_KINDS = ("swiglu_forward", "swiglu_backward")  # each defines GLU_<DIR>[_PAIRS]_ENTRY(name, GLU, N, PACKS)
+# The 8-bit saved x12's kernels (swiglu_fp8.cu: GLU_<DIR>_FP8[_PAIRS]_ENTRY), one element per access only.
+FP8_KERNEL_KINDS = ("swiglu_forward_fp8", "swiglu_backward_fp8")
 
 CTYPE_OF_DTYPE = {
     torch.float16: "__half",
@@ -120,19 +123,23 @@ def module_source(variant: KernelVariant = DEFAULT_VARIANT) -> str:
 
 
 def variant_entries(variant: KernelVariant) -> str:
-    """One variant's functor typedef and its 12 entry points (appended to
+    """One variant's functor typedef and its 18 entry points (appended to
     the kernel files; the host harness appends several variants' at once)."""
     functor = f"glu_{variant.kind}{'_clamp' if variant.clamp else ''}_t"
     # SwiGLU keeps ptxas's own register choice (as before the other variants
     # existed). The others allow up to 65536 / 512 registers: left to its
     # heuristic, ptxas capped some of them at 64 on sm_90 and spilled.
+    # The 8-bit saved x12's kernels ask for two resident blocks (<= 64 registers at 512 threads:
+    # SwiGLU's occupancy rule; ptxas's own choice spilled one and took 68 registers for another).
     min_blocks = "" if variant == DEFAULT_VARIANT else ", 1"
     lines = [f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
     for kind, vectorized, packs in _instances():
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
-        macro = f"GLU_{kind.split('_')[1].upper()}{'_PAIRS' if variant.interleaved else ''}_ENTRY"
+        fp8 = "_FP8" if kind in FP8_KERNEL_KINDS else ""
+        macro = f"GLU_{kind.split('_')[1].upper()}{fp8}{'_PAIRS' if variant.interleaved else ''}_ENTRY"
         lines += ["#undef SWIGLU_LAUNCH_BOUNDS",
-                  f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}{min_blocks})",
+                  f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}"
+                  f"{', 2' if kind in FP8_KERNEL_KINDS else min_blocks})",
                   f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})"]
     return "\n".join(lines)
 
@@ -164,7 +171,8 @@ def clear_source_cache() -> None:
 
 def _instances():
     return [(kind, vectorized, packs) for kind in KERNEL_KINDS
-            for vectorized in (True, False) for packs in PACKS_PER_THREAD]
+            for vectorized in (True, False) for packs in PACKS_PER_THREAD] + [
+        (kind, False, packs) for kind in FP8_KERNEL_KINDS for packs in PACKS_PER_THREAD]
 
 
 def kernel_name(kind: str, vectorized: bool, packs_per_thread: int,

@@ -39,6 +39,10 @@ GEMM more). Two ways in:
   each token's K rows summed (``tokens.sum_per_token``), and dx is each
   token's K row gradients summed the same way: gathers, no scatter-add.
 
+``saved_x12="fp8"`` saves x12 as float8 e4m3 with a float32 scale per 128
+columns (``primitives.saved_x12``: one uint8 tensor in x12's place), either
+way in.
+
 The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
 where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
 row strides and base pointers 16-byte aligned (its CPU kernel refuses the
@@ -66,6 +70,7 @@ from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_
 from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
+from ..primitives.saved_x12 import saved_row_bytes
 from .tokens import TokenRows
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
@@ -190,7 +195,7 @@ def _token_rows(perm, top_k: int) -> TokenRows | None:
 
 
 def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool,
-                  perm, top_k: int, combine_dtype):
+                  perm, top_k: int, combine_dtype, fp8: bool = False):
     tokens = _token_rows(perm, top_k)
     rows = x if tokens is None else tokens.gather(x)                         # the routed rows, not saved
     if tokens is not None and rw is not None:
@@ -198,8 +203,11 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
     groups = _Groups(offsets, rows.shape[0], grouped_mm_runs(x, w12, w3), tail)
     x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)              # GEMM 1
     del rows  # the gathered copy is not kept
-    # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
-    h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+    if fp8:  # h and the 8-bit saved x12 (returned in x12's place) in one pass
+        h, x12 = run.run_swiglu_forward_fp8(x12, None, None, activation)
+    else:
+        # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
+        h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -209,7 +217,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
 
 
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
-                   tail: bool, needs: tuple, perm, top_k: int, combine_dtype):
+                   tail: bool, needs: tuple, perm, top_k: int, combine_dtype, fp8: bool = False):
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
     tokens = _token_rows(perm, top_k)
     if tokens is not None:
@@ -238,7 +246,11 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     # One fused pass: dx12 and the recomputed h. A recomputed x12 is ours to
     # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
     # row blocks instead of joining two halves afterwards).
-    dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None, activation)
+    if fp8:  # x12 is the 8-bit saved tensor
+        dx12, h = run.run_swiglu_backward_fp8(x12, dh, None, None, activation)
+    else:
+        dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None,
+                                          activation)
     dx = dw12 = db12 = dw3 = db3 = drw = None
     if g is not None:
         drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)
@@ -270,20 +282,22 @@ def _forward_op(x: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, b12: 
                 w3: torch.Tensor, b3: torch.Tensor | None, rw: torch.Tensor | None, kind: str,
                 limit: float | None, alpha: float, up_offset: float, interleaved: bool, transposed: bool,
                 tail: bool, perm: torch.Tensor | None, top_k: int,
-                combine_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+                combine_dtype: torch.dtype | None, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, perm, top_k, combine_dtype)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, perm, top_k, combine_dtype, fp8)
 
 
 @_forward_op.register_fake
 def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail, perm, top_k,
-      combine_dtype):
+      combine_dtype, fp8=False):
     two_i = w12.shape[2] if transposed else w12.shape[1]
     rows = x.shape[0] if perm is None else perm.shape[0]
     if combine_dtype is not None:
         y = x.new_empty((x.shape[0], x.shape[1]), dtype=combine_dtype)
     else:
         y = x.new_empty((rows, x.shape[1]), dtype=x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype))
+    if fp8:
+        return y, x.new_empty((rows, saved_row_bytes(two_i // 2, interleaved)), dtype=torch.uint8)
     return y, x.new_empty((rows, two_i))
 
 
@@ -292,35 +306,36 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, x12: torch.Tensor | None, of
                  w12: torch.Tensor, b12: torch.Tensor | None, w3: torch.Tensor, b3: torch.Tensor | None,
                  rw: torch.Tensor | None, kind: str, limit: float | None, alpha: float, up_offset: float,
                  interleaved: bool, transposed: bool, tail: bool, needs: list[bool], perm: torch.Tensor | None,
-                 top_k: int, combine_dtype: torch.dtype | None) -> list[torch.Tensor]:
+                 top_k: int, combine_dtype: torch.dtype | None, fp8: bool = False) -> list[torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
     grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs),
-                           perm, top_k, combine_dtype)
+                           perm, top_k, combine_dtype, fp8)
     return [x.new_empty(0) if g is None else g for g in grads]  # an op returns tensors only
 
 
 @_backward_op.register_fake
 def _(dy, x, x12, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail,
-      needs, perm, top_k, combine_dtype):
+      needs, perm, top_k, combine_dtype, fp8=False):
     like = (x, w12, b12, w3, b3, rw)  # dx is per token, drw per slot, on the tokens path
     return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for need, t in zip(needs, like)]
 
 
-def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype):
+def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype, fp8):
     if torch.compiler.is_compiling():
         return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail, perm, top_k,
-                           combine_dtype)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype)
+                           combine_dtype, fp8)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype,
+                         fp8)
 
 
 def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,
-              combine_dtype):
+              combine_dtype, fp8):
     if torch.compiler.is_compiling():
         grads = _backward_op(dy, x, x12, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed,
-                             tail, list(needs), perm, top_k, combine_dtype)
+                             tail, list(needs), perm, top_k, combine_dtype, fp8)
         return tuple(g if need else None for g, need in zip(grads, needs))
     return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs,
-                          perm, top_k, combine_dtype)
+                          perm, top_k, combine_dtype, fp8)
 
 
 # ---- the Function --------------------------------------------------------------------------
@@ -329,8 +344,8 @@ class MoEExpertsFunction(LeanApplyFunction):
     """The experts feed-forward, apply-only (layouts in the module docstring).
 
     ``apply(x, offsets, w12, b12, w3, b3, routing_weights, activation,
-    transposed, recompute_gate_up, tail, perm, top_k, combine_dtype) -> (y,
-    x12)``, all positional: the arguments were validated by the caller
+    transposed, recompute_gate_up, tail, perm, top_k, combine_dtype,
+    saved_x12_fp8) -> (y, x12)``, all positional: the arguments were validated by the caller
     (``grouped_experts`` / ``routed_experts`` / the Hugging Face experts
     function). ``perm`` None: ``x`` holds the grouped rows [S, D] and
     ``routing_weights`` is [S]. Else ``x`` holds T tokens [T, D],
@@ -339,52 +354,56 @@ class MoEExpertsFunction(LeanApplyFunction):
     rows summed in ``combine_dtype`` ([T, D]), or with ``combine_dtype`` None
     the rows themselves ([S, D]). It saves the same tensors whatever requires
     grad: x, offsets, perm, the weights, the routing weights and x12 (not x12
-    with ``recompute_gate_up``). ``x12`` is returned only so that it can be
-    saved; it is non-differentiable.
+    with ``recompute_gate_up``; the 8-bit saved x12 with ``saved_x12_fp8``).
+    ``x12`` is returned only so that it can be saved; it is non-differentiable.
     """
 
     @staticmethod
     def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail,
-                perm, top_k, combine_dtype):
+                perm, top_k, combine_dtype, saved_x12_fp8):
         return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm, top_k,
-                        combine_dtype)
+                        combine_dtype, saved_x12_fp8)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail, perm, top_k, \
-            combine_dtype = inputs
+            combine_dtype, saved_x12_fp8 = inputs
         mark_saved_only(ctx, output[1])
         ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, None if recompute_gate_up else output[1])
         ctx.modes = (activation, transposed, tail)
-        ctx.tokens = (top_k, combine_dtype)
+        ctx.tokens = (top_k, combine_dtype, saved_x12_fp8)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 14
+            return (None,) * 15
         x, offsets, w12, b12, w3, b3, rw, perm, x12 = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
         needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
                  need_rw and rw is not None)
         dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs,
                                                   perm, *ctx.tokens)
-        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 7
+        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 8
 
 
 def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
                 recompute_gate_up: bool, tail: bool, perm: torch.Tensor | None = None, top_k: int = 1,
-                combine_dtype: torch.dtype | None = None) -> torch.Tensor:
+                combine_dtype: torch.dtype | None = None, saved_x12_fp8: bool = False) -> torch.Tensor:
     """The Function on arguments valid by construction (no checks): the one
     place it is applied (``perm``, ``top_k``, ``combine_dtype``: the tokens
     way in, see ``MoEExpertsFunction``). Under autocast, x and the weights
     are cast to the autocast dtype (as nn.Linear does); under no_grad the
-    forward runs without the Function (no graph, nothing to save)."""
+    forward runs without the Function (no graph, nothing to save).
+    ``saved_x12_fp8``: see ``grouped_experts``'s ``saved_x12`` (checked by
+    the caller)."""
     def run(tensors):
         x, w12, b12, w3, b3 = tensors
         if graph_needed(x, w12, w3):
+            if saved_x12_fp8:
+                check.check_fp8_compute_dtype(x.dtype)
             return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
-                                            recompute_gate_up, tail, perm, top_k, combine_dtype)[0]
+                                            recompute_gate_up, tail, perm, top_k, combine_dtype, saved_x12_fp8)[0]
         return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
                              top_k, combine_dtype)[0]
     return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
@@ -395,7 +414,7 @@ def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUAc
 def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, w3: torch.Tensor,
                     b12: torch.Tensor | None = None, b3: torch.Tensor | None = None, *,
                     routing_weights: torch.Tensor | None = None, activation="silu", transposed: bool = False,
-                    recompute_gate_up: bool = False) -> torch.Tensor:
+                    recompute_gate_up: bool = False, saved_x12=None) -> torch.Tensor:
     """The experts GLU feed-forward over rows already grouped by expert: ``y [S, D]``.
 
     ``offsets`` are int32 cumulative group ends (``offsets[-1] == S``; empty
@@ -407,7 +426,8 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
     top-k ids). Saved for backward: ``x_sorted`` itself (the only copy of the
     inputs this entry sees; ``routed_experts`` saves each token's input once
     instead of K rows) and x12 [S, 2I], plus offsets and routing weights.
-    Layouts: the module docstring.
+    ``saved_x12="fp8"`` saves x12 in 8 bits (as ``swiglu``'s; not with
+    ``recompute_gate_up``). Layouts: the module docstring.
     """
     check.reject_jit()
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
@@ -415,9 +435,10 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
         raise ValueError(f"x_sorted must be a 2-D tensor [S, D], got {shape}")
     E, _ = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
     check.check_flags(recompute_gate_up=recompute_gate_up)
+    fp8 = check.check_saved_x12(saved_x12, recompute_gate_up)
     spec = resolve_activation(activation)
     S = x_sorted.shape[0]
     check.check_offsets(offsets, E, S, x_sorted.device)
     check.check_routing_weights("routing_weights", routing_weights, (S,), x_sorted)
     return run_experts(x_sorted, offsets, w12, b12, w3, b3, routing_weights, spec, transposed,
-                       recompute_gate_up, False)
+                       recompute_gate_up, False, saved_x12_fp8=fp8)

@@ -51,14 +51,14 @@ class _Combine(LeanApplyFunction):
 
 def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights, w12, b12, w3, b3,
                       activation: GLUActivation, transposed: bool, recompute_gate_up: bool, sentinels: bool,
-                      post_expert=None) -> torch.Tensor:
+                      post_expert=None, saved_x12_fp8: bool = False) -> torch.Tensor:
     """Token-level experts: sort the T*K routed rows by expert, run the
     experts on the tokens (the Function gathers the rows, saves each token's
     input once, and sums each token's K rows in a fixed order in fp32, or
     float64, rounded once to the input's dtype). With ``sentinels``, ids >= E
     contribute zero (and no router gradient). ``post_expert`` (a module
     applied to each row's unweighted output, e.g. a post-expert norm) moves
-    the routing weights and the sum after it."""
+    the routing weights and the sum after it. ``saved_x12_fp8``: x12 saved in 8 bits."""
     K = top_k_index.shape[-1]
     E = w12.shape[0]
     perm, offsets = sort_by_expert(top_k_index, E)
@@ -66,10 +66,10 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
     slot_weights = None if top_k_weights is None else top_k_weights.reshape(-1)
     if post_expert is None:
         return run_experts(hidden_states, offsets, w12, b12, w3, b3, slot_weights, activation, transposed,
-                           recompute_gate_up, sentinels, perm, K, hidden_states.dtype)
+                           recompute_gate_up, sentinels, perm, K, hidden_states.dtype, saved_x12_fp8)
     tokens = TokenRows(perm, K)
     y = post_expert(run_experts(hidden_states, offsets, w12, b12, w3, b3, None, activation, transposed,
-                                recompute_gate_up, sentinels, perm, K, None))
+                                recompute_gate_up, sentinels, perm, K, None, saved_x12_fp8))
     if slot_weights is not None:
         y = y * tokens.slots_to_rows(slot_weights).unsqueeze(1)
     if sentinels:  # zero output there, so zero gradient for those rows' routing weights
@@ -80,7 +80,7 @@ def route_and_combine(hidden_states: torch.Tensor, top_k_index: torch.Tensor, to
 def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor | None,
                    w12: torch.Tensor, w3: torch.Tensor, b12: torch.Tensor | None = None,
                    b3: torch.Tensor | None = None, *, activation="silu", transposed: bool = False,
-                   recompute_gate_up: bool = False) -> torch.Tensor:
+                   recompute_gate_up: bool = False, saved_x12=None) -> torch.Tensor:
     """Mixture-of-experts feed-forward from a router's top-k choice: ``[..., D]``.
 
     ``top_k_index`` [..., K] (integer expert ids in [0, E)) and
@@ -88,13 +88,14 @@ def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
     for ``hidden_states`` [..., D]. Each token's K expert outputs are weighted
     and summed in a fixed order in fp32 (deterministic), rounded once to
     ``hidden_states.dtype``. The ids are checked with one host copy of their
-    min and max. Weights and activation: as ``grouped_experts``.
+    min and max. Weights, activation and ``saved_x12``: as ``grouped_experts``.
     """
     check.reject_jit()
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() < 1:
         raise ValueError("hidden_states must be a tensor [..., D]")
     E, _ = check.check_expert_weights("hidden_states", hidden_states, w12, w3, b12, b3, transposed)
     check.check_flags(recompute_gate_up=recompute_gate_up)
+    fp8 = check.check_saved_x12(saved_x12, recompute_gate_up)
     spec = resolve_activation(activation)
     lead = tuple(hidden_states.shape[:-1])
     if not isinstance(top_k_index, torch.Tensor) or top_k_index.dim() != len(lead) + 1 \
@@ -108,5 +109,6 @@ def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
     check.check_routing_weights("top_k_weights", top_k_weights, tuple(top_k_index.shape), hidden_states)
     D = hidden_states.shape[-1]
     out = route_and_combine(hidden_states.reshape(-1, D), top_k_index.reshape(-1, top_k_index.shape[-1]),
-                            top_k_weights, w12, b12, w3, b3, spec, transposed, recompute_gate_up, False)
+                            top_k_weights, w12, b12, w3, b3, spec, transposed, recompute_gate_up, False,
+                            saved_x12_fp8=fp8)
     return out.view(hidden_states.shape)

@@ -29,6 +29,7 @@ from ..kernels.launch import cupy_launcher, device_index, i64, pointer
 from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
 from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
+from . import saved_x12
 
 MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
 MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-stride loop
@@ -230,3 +231,57 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
                                 launch_config, activation)
     _copy_back(target, dx12)
     return dx12, h
+
+
+# ---- the 8-bit saved x12 (format: saved_x12.py) ------------------------------------------------
+# One thread per 128-column block (launched like packs with N = 1 over a row's blocks).
+
+def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: LaunchConfig | None = None,
+                              activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, the saved tensor [M, R] uint8) from x12, in one pass."""
+    x12 = _rows_view(x12)
+    M, H = x12.shape[0], x12.shape[1] // 2
+    h = _empty_rows(x12, H)
+    saved = saved_x12.new_saved(M, H, activation.interleaved, x12.device)
+    q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
+    blocks = saved_x12.scale_blocks(H, activation.interleaved)
+    tail = [pointer(q), pointer(scales), i64(M), i64(H)]
+    strides = [i64(_leading_dim(h)), i64(saved.stride(0)), i64(saved.stride(0) // 4)]
+    if activation.interleaved:
+        args = [pointer(x12), pointer(h), *tail, i64(_leading_dim(x12)), *strides]
+    else:
+        args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
+                i64(_leading_dim(x12)), *strides]
+    _launch(launcher, launch_config, "swiglu_forward_fp8", 1, x12, M, _blocks_per_thread_row(blocks, activation),
+            args, activation)
+    return h, saved
+
+
+def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=None,
+                               launch_config: LaunchConfig | None = None,
+                               activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx12, h) in dh's dtype from the saved tensor."""
+    dh = _rows_view(dh)
+    M, H = dh.shape
+    if saved.stride(0) != saved.shape[1] or saved.data_ptr() % 4:
+        saved = saved.contiguous()  # rows of whole 4-byte scales (a view of it need not be)
+    q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
+    dx12 = torch.empty((M, 2 * H), dtype=dh.dtype, device=dh.device)
+    h = _empty_rows(dh, H)
+    blocks = saved_x12.scale_blocks(H, activation.interleaved)
+    head = [pointer(q), pointer(scales), pointer(dh)]
+    strides = [i64(saved.stride(0)), i64(saved.stride(0) // 4), i64(_leading_dim(dh))]
+    if activation.interleaved:
+        args = [*head, pointer(dx12), pointer(h), i64(M), i64(H), *strides, i64(2 * H), i64(_leading_dim(h))]
+    else:
+        args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
+                i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
+    _launch(launcher, launch_config, "swiglu_backward_fp8", 1, dh, M, _blocks_per_thread_row(blocks, activation),
+            args, activation)
+    return dx12, h
+
+
+def _blocks_per_thread_row(blocks: int, activation: GLUActivation) -> int:
+    """The columns the launch shape spreads over threads: a row's blocks
+    (halves: the gate's, each thread also takes the up block beside it)."""
+    return blocks if activation.interleaved else blocks // 2

@@ -32,7 +32,7 @@ import torch
 
 from .._torch_compat import register_global_decomposition
 from ..activations import GLUActivation
-from . import run, torch_impl
+from . import run, saved_x12, torch_impl
 from .run import batch_first, gate_half, h_over_gate
 
 
@@ -92,6 +92,20 @@ def _silu_mul_backward_body(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tens
     return run.run_silu_mul_backward(gate, up, dh, activation=spec)
 
 
+def _swiglu_forward_fp8_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
+                             alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, the 8-bit saved x12) (``saved_x12``)."""
+    return run.run_swiglu_forward_fp8(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+
+
+def _swiglu_backward_fp8_body(saved: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
+                              limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
+                              interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx12, h) in dh's dtype from the 8-bit saved x12."""
+    return run.run_swiglu_backward_fp8(saved, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+
+
 # ---- registration ---------------------------------------------------------------------------
 
 def _op(name: str, fn, mutates=()):
@@ -104,6 +118,8 @@ swiglu_backward_op = _op("swiglu_backward", _swiglu_backward_body)
 swiglu_backward_inplace_op = _op("swiglu_backward_inplace", _swiglu_backward_inplace_body, ("x12",))
 silu_mul_forward_op = _op("silu_mul_forward", _silu_mul_forward_body)
 silu_mul_backward_op = _op("silu_mul_backward", _silu_mul_backward_body)
+swiglu_forward_fp8_op = _op("swiglu_forward_fp8", _swiglu_forward_fp8_body)
+swiglu_backward_fp8_op = _op("swiglu_backward_fp8", _swiglu_backward_fp8_body)
 
 
 @swiglu_forward_op.register_fake
@@ -134,6 +150,18 @@ def _(gate, up, *spec):
 @silu_mul_backward_op.register_fake
 def _(gate, up, dh, *spec):
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+@swiglu_forward_fp8_op.register_fake
+def _(x12, kind="silu", limit=None, alpha=1.0, up_offset=0.0, interleaved=False):
+    H = x12.shape[1] // 2
+    return (x12.new_empty((x12.shape[0], H)),
+            x12.new_empty((x12.shape[0], saved_x12.saved_row_bytes(H, interleaved)), dtype=torch.uint8))
+
+
+@swiglu_backward_fp8_op.register_fake
+def _(saved, dh, *spec):
+    return dh.new_empty((dh.shape[0], 2 * dh.shape[1])), dh.new_empty(dh.shape)
 
 
 # Autograd formulas: used only where the ops are differentiated as ops (an
@@ -184,6 +212,8 @@ swiglu_forward_op.register_vmap(_fold_rows(swiglu_forward_op, 1, 1))
 swiglu_backward_op.register_vmap(_fold_rows(swiglu_backward_op, 2, 2))
 silu_mul_forward_op.register_vmap(_fold_rows(silu_mul_forward_op, 2, 1))
 silu_mul_backward_op.register_vmap(_fold_rows(silu_mul_backward_op, 3, 2))
+swiglu_forward_fp8_op.register_vmap(_fold_rows(swiglu_forward_fp8_op, 1, 2))
+swiglu_backward_fp8_op.register_vmap(_fold_rows(swiglu_backward_fp8_op, 2, 2))
 
 
 # The torch implementation of each op, taking the op's spec arguments (same
@@ -215,6 +245,14 @@ def _silu_mul_backward_aten(gate, up, dh, *spec, **named):
     return torch_impl.silu_mul_backward_torch(gate, up, dh, activation=_spec(*spec, **named))
 
 
+def _forward_fp8_aten(x12, *spec, **named):
+    return run.run_swiglu_forward_fp8(x12, "torch", None, _spec(*spec, **named))
+
+
+def _backward_fp8_aten(saved, dh, *spec, **named):
+    return run.run_swiglu_backward_fp8(saved, dh, "torch", None, _spec(*spec, **named))
+
+
 def _functional_aten() -> dict:
     """``{functional op: its torch implementation}``."""
     ops = torch.ops.swiglu_cupy
@@ -223,6 +261,8 @@ def _functional_aten() -> dict:
         ops.swiglu_backward.default: _backward_aten,
         ops.silu_mul_forward.default: _silu_mul_forward_aten,
         ops.silu_mul_backward.default: _silu_mul_backward_aten,
+        ops.swiglu_forward_fp8.default: _forward_fp8_aten,
+        ops.swiglu_backward_fp8.default: _backward_fp8_aten,
     }
 
 

@@ -14,7 +14,8 @@ from .._torch_compat import is_functorch_wrapped as _is_wrapped
 from ..activations import SILU, GLUActivation
 from . import ops, run, torch_impl
 
-__all__ = ["forward", "forward_inplace", "backward", "silu_mul_forward", "silu_mul_backward"]
+__all__ = ["forward", "forward_inplace", "backward", "silu_mul_forward", "silu_mul_backward", "forward_fp8",
+           "backward_fp8"]
 
 
 def _route(*tensors: torch.Tensor) -> str:
@@ -84,3 +85,20 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, sp
     if route == "op":
         return ops.silu_mul_backward_op(gate, up, dh, *ops.spec_args(spec))
     return run.run_silu_mul_backward(gate, up, dh, activation=spec)
+
+
+def forward_fp8(x12: torch.Tensor, spec: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, the 8-bit saved x12): see ``saved_x12``."""
+    route = _route(x12)
+    if route == "op":
+        return ops.swiglu_forward_fp8_op(x12, *ops.spec_args(spec))
+    return run.run_swiglu_forward_fp8(x12, "torch" if route == "aten" else None, None, spec)
+
+
+def backward_fp8(saved: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SILU
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx12, h) from the 8-bit saved x12."""
+    route = _route(saved, dh)
+    if route == "op":
+        return ops.swiglu_backward_fp8_op(saved, dh, *ops.spec_args(spec))
+    return run.run_swiglu_backward_fp8(saved, dh, "torch" if route == "aten" else None, None, spec)

@@ -13,10 +13,10 @@ from ..activations import SILU, GLUActivation
 from ..kernels.launch import cuda_kernels_available
 from ..kernels.launch_config import forced_launcher
 from . import cuda_impl as kernels
-from . import torch_impl
+from . import saved_x12, torch_impl
 
 __all__ = ["run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward",
-           "h_over_gate", "gate_half", "batch_first"]
+           "run_swiglu_forward_fp8", "run_swiglu_backward_fp8", "h_over_gate", "gate_half", "batch_first"]
 
 
 def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:
@@ -95,3 +95,26 @@ def h_over_gate(x12: torch.Tensor, spec: GLUActivation) -> torch.Tensor:
 def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
     """``t`` with its vmap batch (at ``dim``, or none: then broadcast) as dim 0."""
     return t.expand(info.batch_size, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
+# ---- the 8-bit saved x12 (saved_x12="fp8", see saved_x12.py) --------------------------------
+
+def run_swiglu_forward_fp8(x12, implementation=None, launcher=None, activation=SILU):
+    """(h, saved): h from x12 as ``run_swiglu_forward``, and x12 quantized to
+    the 8-bit saved tensor, in one kernel pass (the torch path: two)."""
+    launcher = _kernel_launcher(x12, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_swiglu_forward_fp8(x12, launcher, activation=activation)
+    h = run_swiglu_forward(x12, None, "torch", None, activation)
+    return h, saved_x12.quantize_torch(x12, activation)
+
+
+def run_swiglu_backward_fp8(saved, dh, implementation=None, launcher=None, activation=SILU):
+    """(dx12, h) in dh's dtype from the 8-bit saved x12: the backward of the
+    dequantized x12 (fp32 math, each output rounded once)."""
+    launcher = _kernel_launcher(dh, implementation, launcher)
+    if launcher is not False:
+        return kernels.launch_swiglu_backward_fp8(saved, dh, launcher, activation=activation)
+    x12 = saved_x12.dequantize_torch(saved, dh.shape[1], activation)
+    dx12, h = torch_impl.swiglu_backward_torch(x12, dh.float(), activation=activation)
+    return dx12.to(dh.dtype), h.to(dh.dtype)

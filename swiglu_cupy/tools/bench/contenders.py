@@ -6,6 +6,9 @@
 - ``liger``: Liger-Kernel's ``LigerSwiGLUMLP`` (when ``liger_kernel`` imports)
 - ``swiglu_cupy``: this package's ``SwiGLU``
 
+and ``swiglu_cupy_fp8``: the same with ``saved_x12="fp8"`` (timed in the
+CPU-path ratios' forward+backward, next to the default mode)
+
 and ``gemm_lower_bound``: the GEMMs of ``SwiGLUFunction`` alone (``torch.mm``
 into preallocated tensors): forward x@w12.T (gate and up in one GEMM) and
 h@w3.T; backward dh = dy@w3, dx = dx12@w12, dw12 = dx12.T@x, dw3 = dy.T@h.
@@ -19,8 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..._dtypes import FP8_SAVED_X12_DTYPES
+
 LOWER_BOUND = "gemm_lower_bound"
 OURS = "swiglu_cupy"
+OURS_FP8 = "swiglu_cupy_fp8"
 CONTENDERS = ("eager_hf", "eager_packed", "torch_compile", "liger", "swiglu_cupy")
 LABELS = {
     LOWER_BOUND: "GEMMs only (lower bound)",
@@ -29,6 +35,7 @@ LABELS = {
     "torch_compile": "torch.compile(eager HF)",
     "liger": "Liger LigerSwiGLUMLP",
     "swiglu_cupy": "swiglu-cupy SwiGLU",
+    OURS_FP8: "swiglu-cupy SwiGLU, saved_x12='fp8'",
 }
 
 
@@ -114,6 +121,12 @@ def build_module(name: str, D: int, H: int, dtype: torch.dtype, device: torch.de
             raise Unavailable(impl)
         hf = eager_hf()
         return SwiGLU.from_gate_up_down(hf.gate_proj, hf.up_proj, hf.down_proj)
+    if name == OURS_FP8:
+        if dtype not in FP8_SAVED_X12_DTYPES:
+            raise Unavailable(f"saved_x12='fp8' takes float32, bfloat16 or float16 compute, not {dtype}")
+        module = build_module(OURS, D, H, dtype, device, weights)
+        module.saved_x12 = "fp8"
+        return module
     raise ValueError(f"unknown contender {name!r}")
 
 

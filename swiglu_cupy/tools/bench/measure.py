@@ -9,9 +9,10 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from ..._dtypes import FP8_SAVED_X12_DTYPES
 from .config import (CPU_PATH_DTYPES, CPU_PATH_GOALS, CPU_PATH_SHAPE, DTYPES, OVERHEAD_GOALS, OVERHEAD_SHAPE,
                      RATIO_REFERENCE, Settings, Shape)
-from .contenders import (CONTENDERS, LABELS, LOWER_BOUND, OURS, GemmRunner, ModuleRunner, Unavailable,
+from .contenders import (CONTENDERS, LABELS, LOWER_BOUND, OURS, OURS_FP8, GemmRunner, ModuleRunner, Unavailable,
                          build_module, master_weights, ours_implementation)
 
 NEEDS_CUDA = "needs CUDA (running on CPU)"
@@ -321,7 +322,9 @@ def bench_cpu_path(clock: Clock, settings: Settings, progress, shape=CPU_PATH_SH
                    dtypes=CPU_PATH_DTYPES) -> dict:
     """Ours against eager HF at a mid-size shape on the CPU: forward+backward
     and the no-grad forward, per dtype, interleaved (one call per round and
-    contender, ``settings.ratio_rounds`` rounds); the ratio of the medians."""
+    contender, ``settings.ratio_rounds`` rounds); the ratio of the medians.
+    The forward+backward also times ours with ``saved_x12="fp8"`` (``OURS_FP8``,
+    its ratio to the reference as ``fp8_ratio``; no-grad saves nothing)."""
     D, H, M = shape
     device = clock.device
     out = {"shape": {"D": D, "H": H, "M": M}, "threads": torch.get_num_threads(),
@@ -332,11 +335,11 @@ def bench_cpu_path(clock: Clock, settings: Settings, progress, shape=CPU_PATH_SH
         x = torch.randn(M, D, device=device, dtype=dtype).requires_grad_(True)
         dy = torch.randn(M, D, device=device, dtype=dtype)
         runners = {name: ModuleRunner(build_module(name, D, H, dtype, device, weights), x, dy)
-                   for name in (RATIO_REFERENCE, OURS)}
+                   for name in (RATIO_REFERENCE, OURS) + ((OURS_FP8,) if dtype in FP8_SAVED_X12_DTYPES else ())}
         cases = {
             # Gradients set to None before each step, as zero_grad() does.
             "fwd_bwd": {name: (lambda r=r: (r.zero(), r.fwd_bwd())) for name, r in runners.items()},
-            "nograd_fwd": {name: r.nograd for name, r in runners.items()},
+            "nograd_fwd": {name: r.nograd for name, r in runners.items() if name != OURS_FP8},
         }
         for what, fns in cases.items():
             progress(f"CPU path {what} M={M} D={D} H={H} {dtype_name}, ours and {RATIO_REFERENCE} interleaved")
@@ -344,9 +347,12 @@ def bench_cpu_path(clock: Clock, settings: Settings, progress, shape=CPU_PATH_SH
                 for _ in range(max(settings.warmup, 1)):
                     fn()
             timings = interleaved(fns, clock, settings.ratio_rounds, calls=1, unit="ms")
-            out["cases"].append({"what": what, "dtype": dtype_name, "ms": timings,
-                                 "ratio": median_ratio(timings, OURS, RATIO_REFERENCE),
-                                 "goal": CPU_PATH_GOALS.get((what, dtype_name))})
+            case = {"what": what, "dtype": dtype_name, "ms": timings,
+                    "ratio": median_ratio(timings, OURS, RATIO_REFERENCE),
+                    "goal": CPU_PATH_GOALS.get((what, dtype_name))}
+            if OURS_FP8 in timings:
+                case["fp8_ratio"] = median_ratio(timings, OURS_FP8, RATIO_REFERENCE)
+            out["cases"].append(case)
         for r in runners.values():
             r.zero()
         runners = cases = x = dy = weights = None

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .contenders import CONTENDERS, LABELS, LOWER_BOUND, OURS
+from .contenders import CONTENDERS, LABELS, LOWER_BOUND, OURS, OURS_FP8
 from .measure import short_error
 
 
@@ -61,8 +61,10 @@ def _cpu_path_lines(cpu: dict | None) -> list[str]:
              f"{cpu['rounds']} interleaved calls each):"]
     for case in cpu["cases"]:
         ms = case["ms"]
+        fp8 = ms.get(OURS_FP8)
+        fp8_note = "" if fp8 is None else f", ours with saved_x12='fp8' {fp8['median']:.1f}"
         lines.append(f"ratio ours / {ref}, CPU path {_CASE_NAMES[case['what']]} {case['dtype']}: "
-                     f"{_ratio(case['ratio'], case['goal'])}  (median ms: ours {ms[OURS]['median']:.1f}, "
+                     f"{_ratio(case['ratio'], case['goal'])}  (median ms: ours {ms[OURS]['median']:.1f}{fp8_note}, "
                      f"{ref} {ms[ref]['median']:.1f})")
     return lines
 
