@@ -10,6 +10,8 @@ DTYPES_ALL = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "training: trains a model for hundreds of steps "
+                                       "(the floor run of .ci/run leaves it out)")
 
 
 def pytest_collection_modifyitems(config, items):
