@@ -1,5 +1,5 @@
 """The 8-bit saved x12 (``saved_x12="fp8"``): its format and its torch
-implementation (the CPU path; the kernels in ``kernels_cu/swiglu_fp8.cuh``
+implementation (the CPU path; the kernels in ``kernels_cu/swiglu_fp8.cu``
 write and read the same bytes).
 
 One uint8 tensor ``saved [M, R]`` per x12 [M, 2H], so that a Function saves
