@@ -322,3 +322,64 @@ def test_every_variant_passes_its_self_check_on_this_gpu():
         for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             result = selfcheck.check_module(None, spec_of_variant(variant), dtype, device)
             assert result.status == "passed", result.line()
+
+
+# ---- the MoE op's grouped path ------------------------------------------------------------------
+
+def _moe_problem(dtype, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    S, E, D, I = 12, 3, 16, 8
+    x = torch.randn(S, D, generator=gen).to(dtype)
+    w12 = (torch.randn(E, 2 * I, D, generator=gen) / 4).to(dtype)
+    w3 = (torch.randn(E, D, I, generator=gen) / 3).to(dtype)
+    offsets = torch.tensor([4, 4, 12], dtype=torch.int32)
+    ids = torch.tensor([0] * 4 + [2] * 8).view(S, 1)
+    rw = torch.rand(S, generator=gen)
+    return x, offsets, w12, w3, ids, rw
+
+
+def test_moe_grouped_path_passes_its_check_once(host_launcher):
+    from swiglu_cupy.moe import grouped_experts
+
+    launcher = Passthrough(host_launcher)
+    x, offsets, w12, w3, ids, rw = _moe_problem(torch.float32)
+    with primitives_on_host_kernels(launcher), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        grouped_experts(x, offsets, w12, w3, routing_weights=rw)
+        grouped_experts(x, offsets, w12, w3, routing_weights=rw)
+    moe = [r for r in selfcheck.results() if r.kernel == "moe_experts" and r.device == "cpu via Passthrough"
+           and r.dtype is torch.float32]
+    assert len(moe) == 1 and moe[0].status == "passed" and moe[0].calls == 1
+
+
+def test_moe_wrong_group_boundaries_are_caught_and_the_loop_takes_over(host_launcher, monkeypatch):
+    """grouped_mm with every group boundary one row late (a combine/offsets
+    bug): caught, warned once, and the per-expert loop's result is right."""
+    from swiglu_cupy.moe import grouped, grouped_experts
+
+    real = torch.nn.functional.grouped_mm
+    calls = []
+
+    def late_boundaries(a, b, offs=None, **kw):
+        calls.append(1)
+        return real(a, b, offs=(offs + 1).clamp(max=offs[-1]), **kw)
+
+    monkeypatch.setattr(grouped.F, "grouped_mm", late_boundaries)
+    launcher = Passthrough(host_launcher)
+    x, offsets, w12, w3, ids, rw = _moe_problem(torch.float32, seed=2)
+    with primitives_on_host_kernels(launcher):
+        x_req = x.clone().requires_grad_()
+        with pytest.warns(RuntimeWarning, match="self-check FAILED for kernel moe_experts on cpu via Passthrough"):
+            y = grouped_experts(x_req, offsets, w12, w3, routing_weights=rw)
+        assert calls                                   # the probe did reach the faulty GEMM
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y.sum().backward()
+            grouped_experts(x, offsets, w12, w3, routing_weights=rw)
+        assert not calls                               # the loop from now on
+    xr = x.double().requires_grad_()
+    ref = reference.experts_reference(xr, ids, rw.double().view(-1, 1), w12.double(), w3.double())
+    ref.sum().backward()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x_req.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)

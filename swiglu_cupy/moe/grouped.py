@@ -30,7 +30,8 @@ The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
 where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
 row strides and base pointers 16-byte aligned (its CPU kernel refuses the
 rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
-plain GEMM, after one device-to-host copy of the offsets. The activation is
+plain GEMM, after one device-to-host copy of the offsets (as does a grouped
+path that failed its first-use self-check, ``moe/selfcheck.py``). The activation is
 one fused launch over all routed rows (``primitives.run.run_swiglu_forward``),
 whatever E is; the backward is one fused pass too.
 
@@ -53,6 +54,7 @@ from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_
 from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
+from . import selfcheck
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
 
@@ -88,6 +90,13 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     size = x.element_size()
     widths = {x.shape[1], *(n for w in weights for n in w.shape[1:])}
     return all((n * size) % 16 == 0 for n in widths) and _aligned(x) and all(_aligned(w) for w in weights)
+
+
+def _grouped(x, w12, w3, activation: GLUActivation) -> bool:
+    """grouped_mm for this call: where it runs and the grouped path passed its
+    first-use self-check (``moe.selfcheck``); else the per-expert loop."""
+    return grouped_mm_runs(x, w12, w3) and selfcheck.grouped_path_trusted(x, activation, _forward_body,
+                                                                          _backward_body)
 
 
 class _Groups:
@@ -172,7 +181,7 @@ def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ---- the computation (plain bodies; the registered ops below wrap them) --------------------
 
 def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool):
-    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    groups = _Groups(offsets, x.shape[0], _grouped(x, w12, w3, activation), tail)
     x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)                 # GEMM 1
     # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
     h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
@@ -186,7 +195,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
                    tail: bool, needs: tuple):
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
-    groups = _Groups(offsets, x.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    groups = _Groups(offsets, x.shape[0], _grouped(x, w12, w3, activation), tail)
     recomputed = x12 is None
     if recomputed:
         x12 = _rows_linear(x, _kn(w12, transposed), b12, groups)            # recompute_gate_up: GEMM

@@ -51,7 +51,8 @@ from ..reference import split_gate_up
 from . import cuda_impl, torch_impl
 
 __all__ = ["SelfCheckError", "CheckResult", "kernels_usable", "check_module", "result_of", "results", "format_results",
-           "enabled", "probe_decision", "reset", "warmup"]
+           "enabled", "probe_decision", "reset", "warmup",
+           "record", "run_probe", "describe_device"]
 
 ENV = "SWIGLU_CUPY_SELFCHECK"
 PROBE_LIMIT = 1.5                 # the clamp boundary probed for variants whose spec has none
@@ -76,18 +77,20 @@ class CheckResult:
     seconds: float = 0.0
     launches: int = 0
     calls: int = 0        # checks run (1 per module per process)
+    module: str = ""      # another op's check (the MoE experts'); "" for a kernel module
 
     @property
     def kernel(self) -> str:
-        return "glu_" + self.variant.tag if self.variant.tag else "swiglu"
+        return self.module or _label(self.variant)
 
     def line(self) -> str:
-        timing = f", {self.launches} launches, {self.seconds * 1e3:.1f} ms" if self.status != "skipped" else ""
+        launches = f", {self.launches} launches" if self.launches else ""
+        timing = f"{launches}, {self.seconds * 1e3:.1f} ms" if self.status != "skipped" else ""
         return f"{self.kernel} [{str(self.dtype).replace('torch.', '')}, {self.device}]: {self.status}" \
                f"{timing}; {self.detail}"
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()   # reentrant: the MoE probe checks the activation module inside its own check
 _results: dict[tuple, CheckResult] = {}     # (launcher, variant, dtype, device) -> result
 _verdicts: dict[tuple, bool] = {}          # (launcher, spec, dtype, device) -> kernels usable
 
@@ -156,42 +159,51 @@ def describe_device(launcher, device: torch.device) -> str:
 
 
 def _record_skip(launcher, spec, dtype, device, why: str) -> CheckResult:
-    key = (launcher, kernel_variant(spec), dtype, device)
-    with _lock:
-        return _results.setdefault(key, CheckResult(key[1], dtype, describe_device(launcher, device),
-                                                    "skipped", why))
+    variant = kernel_variant(spec)
+    return record((launcher, variant, dtype, device),
+                  lambda: CheckResult(variant, dtype, describe_device(launcher, device), "skipped", why))
 
 
 def check_module(launcher, spec: GLUActivation, dtype: torch.dtype, device: torch.device) -> CheckResult:
     """The module's result, probing it now unless it was (once per process)."""
     spec = resolve_activation(spec)
-    key = (launcher, kernel_variant(spec), dtype, device)
-    result = _results.get(key)
-    if result is not None:
-        return result
-    with _lock:
-        result = _results.get(key)
-        if result is None:
-            result = _results[key] = _run_check(launcher, spec, dtype, device)
-    return result
+    return record((launcher, kernel_variant(spec), dtype, device), lambda: _run_check(launcher, spec, dtype, device))
 
 
 def _run_check(launcher, spec, dtype, device) -> CheckResult:
-    variant = kernel_variant(spec)
+    return run_probe(kernel_variant(spec), dtype, describe_device(launcher, device), device,
+                     lambda: probe_module(launcher, spec, dtype, device))
+
+
+def run_probe(variant: KernelVariant, dtype: torch.dtype, device_text: str, device: torch.device, probe,
+              module: str = "") -> CheckResult:
+    """Times ``probe()`` -> (problems, launches) and warns on a failure (the
+    caller records the result; STRICT raises at the caller)."""
     start = time.perf_counter()
-    problems, launches = probe_module(launcher, spec, dtype, device)
+    problems, launches = probe()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    result = CheckResult(variant, dtype, describe_device(launcher, device), "failed" if problems else "passed",
+    result = CheckResult(variant, dtype, device_text, "failed" if problems else "passed",
                          problems[0] if problems else "every output within its bound, clamp masks exact",
-                         time.perf_counter() - start, launches, 1)
-    if problems:
+                         time.perf_counter() - start, launches, 1, module)
+    if problems and not strict_mode():
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        message = (f"swiglu-cupy: self-check FAILED for kernel {result.kernel} on {result.device}, {dtype}: "
-                   f"{problems[0]}{more}. This module runs the torch implementation for the rest of the process "
-                   "(SWIGLU_CUPY_STRICT=1 makes this an error); please report it with `python -m swiglu_cupy info`.")
-        if not strict_mode():
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"swiglu-cupy: self-check FAILED for kernel {result.kernel} on {result.device}, {dtype}: "
+            f"{problems[0]}{more}. This module runs the torch implementation for the rest of the process "
+            "(SWIGLU_CUPY_STRICT=1 makes this an error); please report it with `python -m swiglu_cupy info`.",
+            RuntimeWarning, stacklevel=3)
+    return result
+
+
+def record(key: tuple, make) -> CheckResult:
+    """The result for ``key``, made by ``make()`` once per process."""
+    result = _results.get(key)
+    if result is None:
+        with _lock:
+            result = _results.get(key)
+            if result is None:
+                result = _results[key] = make()
     return result
 
 
