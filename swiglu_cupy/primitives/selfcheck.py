@@ -52,7 +52,7 @@ from . import cuda_impl, torch_impl
 
 __all__ = ["SelfCheckError", "CheckResult", "kernels_usable", "check_module", "result_of", "results", "format_results",
            "enabled", "probe_decision", "reset", "warmup",
-           "record", "run_probe", "describe_device"]
+           "record", "run_probe", "describe_device", "probe_spec"]
 
 ENV = "SWIGLU_CUPY_SELFCHECK"
 PROBE_LIMIT = 1.5                 # the clamp boundary probed for variants whose spec has none
@@ -227,6 +227,14 @@ def reset() -> None:
     with _lock:
         _results.clear()
         _verdicts.clear()
+
+
+def probe_spec(variant: KernelVariant) -> GLUActivation:
+    """A spec that runs ``variant`` (GPT-OSS's alpha and offset for OAI; the
+    probe limit for clamped ones), for checks made without a model's spec."""
+    oai = dict(alpha=1.702, up_offset=1.0) if variant.kind == "oai" else {}
+    return GLUActivation(variant.kind, limit=PROBE_LIMIT if variant.clamp else None,
+                         interleaved=variant.interleaved, **oai)
 
 
 # ---- the probe --------------------------------------------------------------------------------
