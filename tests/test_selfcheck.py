@@ -382,3 +382,18 @@ def test_moe_wrong_group_boundaries_are_caught_and_the_loop_takes_over(host_laun
     ref.sum().backward()
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x_req.grad.double(), xr.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_check_under_autocast_and_inference_mode_is_not_fooled(host_launcher):
+    """A first call under bf16 autocast and inference mode: the probe runs
+    its own fp32 numerics (and its autograd reference) and passes."""
+    from swiglu_cupy.moe import grouped_experts
+
+    launcher = Passthrough(host_launcher)
+    x, offsets, w12, w3, ids, rw = _moe_problem(torch.float32, seed=4)
+    with primitives_on_host_kernels(launcher), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            grouped_experts(x, offsets, w12, w3, routing_weights=rw)
+    mine = [r for key, r in selfcheck._results.items() if launcher in key]
+    assert any(r.kernel == "moe_experts" for r in mine) and all(r.status == "passed" for r in mine), mine

@@ -180,7 +180,10 @@ def run_probe(variant: KernelVariant, dtype: torch.dtype, device_text: str, devi
     """Times ``probe()`` -> (problems, launches) and warns on a failure (the
     caller records the result; STRICT raises at the caller)."""
     start = time.perf_counter()
-    problems, launches = probe()
+    # The probe's own numerics, whatever mode the first call came in (autocast
+    # would recast the MoE GEMMs; inference mode forbids the reference's autograd).
+    with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
+        problems, launches = probe()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     result = CheckResult(variant, dtype, device_text, "failed" if problems else "passed",
