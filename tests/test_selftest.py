@@ -95,11 +95,11 @@ def test_quick_facts_run_first_and_a_failed_self_check_fails_the_selftest(tmp_pa
     def fake_tee(cmd, cwd, log, limit_s):
         order.append(cmd[2] if cmd[2] != "swiglu_cupy" else " ".join(cmd[2:4]))
         if cmd[2] == "swiglu_cupy.tools.quick_facts":
-            out = cmd[cmd.index("--out") + 1]
+            out = selftest.Path(cmd[cmd.index("--out") + 1])
             lines = ["self-checks: 30 passed, 1 failed, 0 skipped, of 31 modules",
                      "  FAILED glu_gelu [bfloat16, NVIDIA X (sm_90, cuda:0)]: failed, 24 launches, 3.0 ms; "
                      "glu_forward_gelu_vec_p1 h: worst |diff| 0.5 = 9e+03 x its bound"]
-            (tmp_path / "out" / "quick_facts.json").write_text(json.dumps({"summary": lines}))
+            (out / "quick_facts.json").write_text(json.dumps({"summary": lines}))
             return 1, False
         return 0, False
 
