@@ -397,3 +397,9 @@ def test_moe_check_under_autocast_and_inference_mode_is_not_fooled(host_launcher
             grouped_experts(x, offsets, w12, w3, routing_weights=rw)
     mine = [r for key, r in selfcheck._results.items() if launcher in key]
     assert any(r.kernel == "moe_experts" for r in mine) and all(r.status == "passed" for r in mine), mine
+
+
+def test_a_limit_beyond_the_dtype_range_is_probed_at_its_largest_value(host_launcher):
+    assert selfcheck._neighbours(1e6, torch.float16)[1] == torch.finfo(torch.float16).max
+    result = _result(Passthrough(host_launcher), deepseek_v4(1e6), torch.float16)
+    assert result.status == "passed", result.line()

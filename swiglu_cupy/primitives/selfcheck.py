@@ -262,8 +262,9 @@ def probe_rows(H: int, vec: int, configs, variant: KernelVariant, sms: int) -> i
 
 
 def _neighbours(value: float, dtype: torch.dtype) -> tuple[float, float, float]:
-    """(below, at, above): ``value`` rounded to ``dtype`` and its storage neighbours."""
-    at = torch.tensor([value], dtype=dtype)
+    """(below, at, above): ``value`` rounded to ``dtype`` and its storage
+    neighbours (a limit beyond the dtype's range: its largest finite value's)."""
+    at = torch.tensor([min(value, torch.finfo(dtype).max)], dtype=dtype)
     bits = at.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[at.element_size()])
     below, above = (bits - 1).view(dtype), (bits + 1).view(dtype)
     return below.item(), at.item(), above.item()
