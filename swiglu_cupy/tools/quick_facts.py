@@ -25,6 +25,7 @@ import torch
 
 LLAMA = {"M": 4096, "D": 4096, "H": 11008, "dtype": torch.bfloat16}
 ROUNDS = 5
+DEADLINE_S = 100.0   # modules not reached by then are reported unchecked (the GPU tests check them)
 
 
 def modules_to_check():
@@ -68,7 +69,7 @@ def summarize(checks: list[dict], llama: dict | None) -> tuple[list[str], bool]:
     failed = [c for c in checks if c["status"] == "failed"]
     passed = sum(c["status"] == "passed" for c in checks)
     lines.append(f"self-checks: {passed} passed, {len(failed)} failed, "
-                 f"{len(checks) - passed - len(failed)} skipped, of {len(checks)} modules")
+                 f"{len(checks) - passed - len(failed)} skipped or not reached, of {len(checks)} modules")
     for c in failed:
         ok = False
         lines.append(f"  FAILED {c['line']}")
@@ -92,7 +93,7 @@ def _check_dict(result) -> dict:
             "status": result.status, "detail": result.detail, "ms": result.seconds * 1e3, "line": result.line()}
 
 
-def run(out: str) -> int:
+def run(out: str, deadline_s: float = DEADLINE_S) -> int:
     from ..primitives import selfcheck
 
     if not torch.cuda.is_available():
@@ -118,6 +119,9 @@ def run(out: str) -> int:
     print(f"[{time.perf_counter() - start:5.1f} s] {summarize([], llama)[0][-1]}", flush=True)
     torch.cuda.empty_cache()
     for spec, dtype in pairs[1:]:
+        if time.perf_counter() - start > deadline_s:   # compiles slower than assumed: report, do not overrun
+            checks.append({"status": "not reached", "line": f"{spec} [{dtype}]: not reached within {deadline_s:.0f} s"})
+            continue
         check(spec, dtype)
     lines, ok = summarize(checks, llama)
     report = {"device": selfcheck.describe_device(None, device), "seconds": time.perf_counter() - start,
