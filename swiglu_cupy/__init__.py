@@ -15,10 +15,12 @@ from .dense.api import glu_mul, silu_mul, swiglu, swiglu_unpacked
 from .dense.functions import SiluMulFunction, SwiGLUFunction
 from .dense.module import SwiGLU
 from .integrations.patching import PatchReport, patch
-from .kernels.launch import cuda_kernels_available, warmup
+from .kernels.launch import cuda_kernels_available
+from .primitives.selfcheck import warmup
+from .tools.info import info
 from .reference import glu_ffn_reference, glu_reference, silu_mul_reference, swiglu_reference
 
 __all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",
            "swiglu_reference", "silu_mul", "silu_mul_reference", "glu_mul", "glu_reference",
-           "glu_ffn_reference", "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup", "patch", "PatchReport",
+           "glu_ffn_reference", "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup", "info", "patch", "PatchReport",
            "cuda_kernels_available"]

@@ -37,7 +37,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
 def _cmd_info(args: argparse.Namespace) -> int:
     from .tools.info import collect, format_info
 
-    print(format_info(collect()))
+    print(format_info(collect(check_default_modules=True)))
     return 0
 
 

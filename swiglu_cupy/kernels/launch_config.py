@@ -96,6 +96,24 @@ def using_launch_config(config: LaunchConfig) -> Iterator[LaunchConfig]:
         _current.reset(token)
 
 
+_probing = contextvars.ContextVar("swiglu_cupy_probing", default=False)
+
+
+def is_probing() -> bool:
+    """True while the self-check's probe launches (launchers may keep them apart)."""
+    return _probing.get()
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """Mark the launches inside the block as the self-check's probe."""
+    token = _probing.set(True)
+    try:
+        yield
+    finally:
+        _probing.reset(token)
+
+
 # ---- the launcher: CuPy on a GPU, or a substitute for every primitive call -----------------
 
 _forced_launcher = None

@@ -47,7 +47,8 @@ The GEMMs are ``torch.nn.functional.grouped_mm`` (2-D x 3-D, int32 offsets)
 where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
 row strides and base pointers 16-byte aligned (its CPU kernel refuses the
 rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
-plain GEMM, after one device-to-host copy of the offsets. The activation is
+plain GEMM, after one device-to-host copy of the offsets (as does a grouped
+path that failed its first-use self-check, ``moe/selfcheck.py``). The activation is
 one fused launch over all routed rows (``primitives.run.run_swiglu_forward``),
 whatever E is; the backward is one fused pass too.
 
@@ -71,6 +72,7 @@ from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
 from ..primitives.saved_x12 import saved_row_bytes
+from . import selfcheck
 from .tokens import TokenRows
 
 __all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
@@ -107,6 +109,13 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     size = x.element_size()
     widths = {x.shape[1], *(n for w in weights for n in w.shape[1:])}
     return all((n * size) % 16 == 0 for n in widths) and _aligned(x) and all(_aligned(w) for w in weights)
+
+
+def _grouped(x, w12, w3, activation: GLUActivation) -> bool:
+    """grouped_mm for this call: where it runs and the grouped path passed its
+    first-use self-check (``moe.selfcheck``); else the per-expert loop."""
+    return grouped_mm_runs(x, w12, w3) and selfcheck.grouped_path_trusted(x, activation, _forward_body,
+                                                                          _backward_body)
 
 
 class _Groups:
@@ -200,7 +209,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
     rows = x if tokens is None else tokens.gather(x)                         # the routed rows, not saved
     if tokens is not None and rw is not None:
         rw = tokens.slots_to_rows(rw)
-    groups = _Groups(offsets, rows.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    groups = _Groups(offsets, rows.shape[0], _grouped(x, w12, w3, activation), tail)
     x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)              # GEMM 1
     del rows  # the gathered copy is not kept
     if fp8:  # h and the 8-bit saved x12 (returned in x12's place) in one pass
@@ -225,7 +234,8 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
             dy = tokens.gather(dy)                                           # each row's token gradient
         if rw is not None:
             rw = tokens.slots_to_rows(rw)
-    groups = _Groups(offsets, x.shape[0] if tokens is None else perm.shape[0], grouped_mm_runs(x, w12, w3), tail)
+    groups = _Groups(offsets, x.shape[0] if tokens is None else perm.shape[0], _grouped(x, w12, w3, activation),
+                     tail)
     # The routed rows, gathered again from the tokens only where a GEMM reads them.
     rows = x if tokens is None else None
     recomputed = x12 is None

@@ -281,6 +281,11 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
     return dx12, h
 
 
+def fp8_launch_columns(H: int, activation: GLUActivation) -> int:
+    """The columns the 8-bit saved x12's kernels spread over threads, per row."""
+    return _blocks_per_thread_row(saved_x12.scale_blocks(H, activation.interleaved), activation)
+
+
 def _blocks_per_thread_row(blocks: int, activation: GLUActivation) -> int:
     """The columns the launch shape spreads over threads: a row's blocks
     (halves: the gate's, each thread also takes the up block beside it)."""

@@ -14,6 +14,7 @@ from ..kernels.launch import cuda_kernels_available
 from ..kernels.launch_config import forced_launcher
 from . import cuda_impl as kernels
 from . import saved_x12, torch_impl
+from .selfcheck import kernels_usable
 
 __all__ = ["run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward",
            "run_swiglu_forward_fp8", "run_swiglu_backward_fp8", "h_over_gate", "gate_half", "batch_first"]
@@ -33,23 +34,26 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
     return out if out is not None or like.dtype in _FULL_PRECISION else _or_new(out, shape, like)
 
 
-def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher):
+def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, spec: GLUActivation):
     """The launcher to run the kernels with (None: the CuPy one), or False
-    for the torch implementation."""
+    for the torch implementation: also when the module (variant, dtype,
+    device, launcher) failed its first-use self-check (``selfcheck``)."""
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
     if implementation == "torch":
         return False
     forced = forced_launcher()
     if launcher is not None or forced is not None:
-        return launcher if launcher is not None else forced
-    if implementation == "kernels" or (x12.is_cuda and cuda_kernels_available()):
-        return None
-    return False
+        chosen = launcher if launcher is not None else forced
+    elif implementation == "kernels" or (x12.is_cuda and cuda_kernels_available()):
+        chosen = None
+    else:
+        return False
+    return chosen if kernels_usable(chosen, spec, x12.dtype, x12.device) else False
 
 
 def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(x12, implementation, launcher)
+    launcher = _kernel_launcher(x12, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_forward(x12, out, launcher, activation=activation)
     return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12),
@@ -57,7 +61,7 @@ def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activa
 
 
 def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None, activation=SILU):
-    launcher = _kernel_launcher(x12, implementation, launcher)
+    launcher = _kernel_launcher(x12, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher, activation=activation)
     return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
@@ -65,7 +69,7 @@ def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=No
 
 
 def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(gate, implementation, launcher)
+    launcher = _kernel_launcher(gate, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_silu_mul_forward(gate, up, out, launcher, activation=activation)
     return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate), activation)
@@ -73,7 +77,7 @@ def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None,
 
 def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None,
                           activation=SILU):
-    launcher = _kernel_launcher(gate, implementation, launcher)
+    launcher = _kernel_launcher(gate, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher, activation=activation)
     shape = gate.shape
@@ -102,7 +106,7 @@ def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
 def run_swiglu_forward_fp8(x12, implementation=None, launcher=None, activation=SILU):
     """(h, saved): h from x12 as ``run_swiglu_forward``, and x12 quantized to
     the 8-bit saved tensor, in one kernel pass (the torch path: two)."""
-    launcher = _kernel_launcher(x12, implementation, launcher)
+    launcher = _kernel_launcher(x12, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_forward_fp8(x12, launcher, activation=activation)
     h = run_swiglu_forward(x12, None, "torch", None, activation)
@@ -112,7 +116,7 @@ def run_swiglu_forward_fp8(x12, implementation=None, launcher=None, activation=S
 def run_swiglu_backward_fp8(saved, dh, implementation=None, launcher=None, activation=SILU):
     """(dx12, h) in dh's dtype from the 8-bit saved x12: the backward of the
     dequantized x12 (fp32 math, each output rounded once)."""
-    launcher = _kernel_launcher(dh, implementation, launcher)
+    launcher = _kernel_launcher(dh, implementation, launcher, activation)
     if launcher is not False:
         return kernels.launch_swiglu_backward_fp8(saved, dh, launcher, activation=activation)
     x12 = saved_x12.dequantize_torch(saved, dh.shape[1], activation)

@@ -1,4 +1,6 @@
-"""``python -m swiglu_cupy info``: explains which path the op takes here and why."""
+"""``python -m swiglu_cupy info`` (and ``swiglu_cupy.info()``): explains which
+path the op takes here and why, and lists each kernel module loaded in this
+process with its first-use self-check result."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ from .._version import __version__
 from ..kernels.cuda_headers import cuda_include_dirs
 from ..kernels.launch import INSTALL_HINT, CudaUnavailableError, import_cupy, strict_mode
 from ..kernels.sources import kernel_dir
+from ..primitives import selfcheck
 
 
 def _cupy_cache_dir() -> Path:
@@ -17,7 +20,10 @@ def _cupy_cache_dir() -> Path:
     return Path(os.environ.get("CUPY_CACHE_DIR", default))
 
 
-def collect() -> dict:
+def collect(check_default_modules: bool = False) -> dict:
+    """The facts; ``check_default_modules`` (the CLI) first self-checks
+    SwiGLU's fp16/bf16/fp32 modules on cuda:0 when the kernels can run, so a
+    fresh process has results to list."""
     info: dict = {
         "swiglu_cupy": __version__,
         "torch": torch.__version__,
@@ -50,9 +56,25 @@ def collect() -> dict:
         info["cuda_path"] = f"CUDA tensors will raise (SWIGLU_CUPY_STRICT is set). Fix: {INSTALL_HINT}"
     else:
         info["cuda_path"] = f"CUDA tensors fall back to the torch implementation. Fix: {INSTALL_HINT}"
+    if check_default_modules and info["cuda_available"] and info["cupy"] is not None:
+        selfcheck.warmup("cuda:0")
+    info["self_check"] = "on" if selfcheck.enabled() else f"off ({selfcheck.ENV}=0)"
+    info["self_checks"] = selfcheck.format_results() or ["no kernel module loaded in this process yet"]
     return info
+
+
+def info() -> dict:
+    """``python -m swiglu_cupy info``'s facts for this process, as a dict
+    (``self_checks``: one line per kernel module used so far)."""
+    return collect()
 
 
 def format_info(info: dict) -> str:
     width = max(map(len, info))
-    return "\n".join(f"{key:<{width}}  {value}" for key, value in info.items())
+    lines = []
+    for key, value in info.items():
+        if key == "self_checks":
+            lines += [f"{key:<{width}}  {line}" if i == 0 else f"{'':<{width}}  {line}" for i, line in enumerate(value)]
+        else:
+            lines.append(f"{key:<{width}}  {value}")
+    return "\n".join(lines)

@@ -1,6 +1,10 @@
 """``python -m swiglu_cupy selftest --out DIR``: the one-command GPU check,
 within a time budget (8 minutes on one GPU: GPU time is scarce).
 
+0. quick facts (``tools/quick_facts.py``, first, before anything is even
+   counted, stopped after ``QUICK_FACTS_LIMIT_S``): every GLU variant's
+   self-check, ours against eager on one LLaMA shape, the peak-memory ratio;
+   a failed self-check fails the selftest with its figures,
 1. ``pytest -m gpu -q`` on the checkout's ``tests/`` (log and junit XML in DIR),
 2. ``python -m swiglu_cupy bench --quick --out DIR``,
 3. ``python -m swiglu_cupy bench --moe --out DIR`` (the MoE experts against
@@ -46,6 +50,9 @@ ASSUMED_S_PER_GPU_TEST = 1.5
 ASSUMED_BENCH_QUICK_S = 180.0
 ASSUMED_BENCH_MOE_S = 45.0   # two dtypes x 20 rounds of a small experts layer, plus 7 tiny models on the CPU
 SWEEP_STEP = "bench --sweep-launch"
+QUICK_STEP = "quick facts"
+ASSUMED_QUICK_FACTS_S = 60.0  # 31 module compiles + checks, one LLaMA shape timed twice x 5 rounds
+QUICK_FACTS_LIMIT_S = 120.0
 
 
 @dataclass
@@ -165,11 +172,18 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
         "budget_s": budget_s,
     }
 
+    py = [sys.executable, "-m"]
+    quick = quick_facts_step(py, out_dir)
+    print(f"== [0] {QUICK_STEP} (~{quick.estimate_s:.0f} s, stopped after {QUICK_FACTS_LIMIT_S:.0f} s; "
+          f"log: {out_dir / quick.log})", flush=True)
+    quick.result = _run_step(quick, root, out_dir, QUICK_FACTS_LIMIT_S)
+    summary["quick_facts"] = _quick_facts_lines(out_dir)
+
+    collect_start = time.perf_counter()
     n_tests = count_gpu_tests(root, tests)
-    collect_s = time.perf_counter() - start
+    collect_s = time.perf_counter() - collect_start
     sweeps = sweep_estimates()
     junit = out_dir / "pytest-gpu.xml"
-    py = [sys.executable, "-m"]
     steps = [
         Step("GPU tests (pytest -m gpu)", [*py, "pytest", "-m", "gpu", "-q", f"--junitxml={junit}", str(tests)],
              tests_estimate(n_tests), "pytest-gpu.log"),
@@ -180,9 +194,9 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
         Step(SWEEP_STEP, [*py, "swiglu_cupy", "bench", "--sweep-launch", "--out", str(out_dir)],
              sweeps["full"], "sweep.log"),
     ]
-    summary["estimate"] = {"collect_s": collect_s, "gpu_tests": n_tests,
+    summary["estimate"] = {"collect_s": collect_s, "gpu_tests": n_tests, "quick_facts_s": quick.result["seconds"],
                            "steps": {s.name: s.estimate_s for s in steps},
-                           "total_s": collect_s + sum(s.estimate_s for s in steps),
+                           "total_s": quick.result["seconds"] + collect_s + sum(s.estimate_s for s in steps),
                            "assumed": {"s_per_gpu_test": ASSUMED_S_PER_GPU_TEST,
                                        "bench_quick_s": ASSUMED_BENCH_QUICK_S, "sweep_s": sweeps}}
     print(format_estimate(steps, budget_s) + f"\n  (counted {n_tests} GPU tests in {collect_s:.0f} s)", flush=True)
@@ -207,17 +221,13 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
                            "reason": f"did not fit: {left:.0f} s left, ~{reserve:.0f} s kept for the steps after it"}
             print(f"== [{i + 1}/{len(steps)}] {step.name}: {step.result['reason']}", flush=True)
             continue
-        log = out_dir / step.log
         print(f"== [{i + 1}/{len(steps)}] {' '.join(step.command[2:])}  (estimate ~{step.estimate_s:.0f} s, "
-              f"stopped after {limit:.0f} s; log: {log})", flush=True)
-        step_start = time.perf_counter()
-        rc, overran = _tee(step.command, root, log, limit)
-        step.result = {"ran": True, "exit_code": rc, "overran": overran, "passed": rc == 0 and not overran,
-                       "seconds": time.perf_counter() - step_start, "estimate_s": step.estimate_s,
-                       "limit_s": limit, "command": step.command[2:], "log": step.log}
+              f"stopped after {limit:.0f} s; log: {out_dir / step.log})", flush=True)
+        step.result = _run_step(step, root, out_dir, limit)
+    steps = [quick, *steps]
     summary["steps"] = {s.name: s.result for s in steps}
-    if steps[0].result["ran"]:
-        summary["steps"][steps[0].name]["counts"] = _junit_counts(junit)
+    if steps[1].result["ran"]:
+        summary["steps"][steps[1].name]["counts"] = _junit_counts(junit)
     summary["total_s"] = time.perf_counter() - start
     ok = all(s.result["passed"] for s in steps)
     summary["passed"] = ok
@@ -228,10 +238,32 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
     return 0 if ok else 1
 
 
+def quick_facts_step(py: list[str], out_dir: Path) -> Step:
+    return Step(QUICK_STEP, [*py, "swiglu_cupy.tools.quick_facts", "--out", str(out_dir)], ASSUMED_QUICK_FACTS_S,
+                "quick_facts.log")
+
+
+def _run_step(step: Step, root: Path, out_dir: Path, limit: float) -> dict:
+    step_start = time.perf_counter()
+    rc, overran = _tee(step.command, root, out_dir / step.log, limit)
+    return {"ran": True, "exit_code": rc, "overran": overran, "passed": rc == 0 and not overran,
+            "seconds": time.perf_counter() - step_start, "estimate_s": step.estimate_s,
+            "limit_s": limit, "command": step.command[2:], "log": step.log}
+
+
+def _quick_facts_lines(out_dir: Path) -> list[str]:
+    """The quick facts' summary lines (quick_facts.json), or why there are none."""
+    try:
+        return json.loads((out_dir / "quick_facts.json").read_text())["summary"]
+    except Exception as exc:
+        return [f"no quick facts ({type(exc).__name__}: the step wrote no quick_facts.json; see quick_facts.log)"]
+
+
 def format_summary(summary: dict) -> str:
     lines = [f"selftest {'PASSED' if summary['passed'] else 'FAILED'}  {summary['date']}  {summary['gpu']}  "
              f"{summary['total_s']:.0f} s of the {summary['budget_s']:.0f} s budget "
              f"(estimated ~{summary['estimate']['total_s']:.0f} s)"]
+    lines += [f"quick facts: {line}" for line in summary.get("quick_facts", [])]
     for name, r in summary["steps"].items():
         if not r["ran"]:
             lines.append(f"{name}: not run ({r['reason']})")
@@ -241,6 +273,6 @@ def format_summary(summary: dict) -> str:
         extra = ("  " + ", ".join(f"{k} {v}" for k, v in counts.items())) if counts else ""
         lines.append(f"{' '.join(r['command'])}: {state}{extra}  ({r['seconds']:.0f} s, estimated "
                      f"~{r['estimate_s']:.0f} s)")
-    lines.append("files (of the steps that ran): pytest-gpu.log/xml, bench.log/json/txt/png, moe.log/json/txt, "
+    lines.append("files (of the steps that ran): quick_facts.log/json, pytest-gpu.log/xml, bench.log/json/txt/png, moe.log/json/txt, "
                  "sweep.log/json/txt, selftest.json/txt")
     return "\n".join(lines)
