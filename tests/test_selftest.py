@@ -132,6 +132,9 @@ def test_quick_facts_summary():
     assert ok and lines[0] == "self-checks: 1 passed, 0 failed, 1 skipped or not reached, of 2 modules"
     assert lines[1] == ("LLaMA M=4096 D=4096 H=11008 bfloat16 fwd+bwd: swiglu-cupy 10.00 ms, eager 12.00 ms: "
                         "1.20x faster; peak memory 0.70x eager's (700 / 1000 MiB)")
+    llama["fwd_bwd_ms"]["swiglu_cupy_fp8"], llama["peak_bytes"]["swiglu_cupy_fp8"] = 11.0, 630 * 2**20
+    assert summarize(checks, llama)[0][2] == ("  saved_x12='fp8': 11.00 ms (1.10x the default's time), peak memory "
+                                              "0.90x the default's (630 MiB)")
     lines, ok = summarize(checks + [{"status": "failed", "line": "glu_relu [...]: failed; worst"}],
                           {"error": "OutOfMemoryError: x"})
     assert not ok and lines[1] == "  FAILED glu_relu [...]: failed; worst"

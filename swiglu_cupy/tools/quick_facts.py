@@ -5,7 +5,8 @@
    depends on it),
 2. do the kernels beat eager on one LLaMA shape (``LLAMA``: M=4096,
    D=4096, H=11008, bf16): median fwd+bwd time of ``SwiGLU`` against three
-   ``nn.Linear`` + ``silu(gate) * up``, and the peak-memory ratio,
+   ``nn.Linear`` + ``silu(gate) * up``, and the peak-memory ratio; the same
+   for ``saved_x12="fp8"`` against the default (issue 26's 8-bit mode),
 3. does every GLU variant pass its self-check: all 28 in bf16, SwiGLU in
    fp16, fp32 and fp64 too.
 
@@ -41,8 +42,9 @@ def modules_to_check():
 
 
 def time_llama(device: torch.device, shape=LLAMA, rounds: int = ROUNDS) -> dict:
-    """Median fwd+bwd ms and peak bytes of eager HF and of ours at ``shape``."""
-    from .bench.contenders import ModuleRunner, build_module, master_weights
+    """Median fwd+bwd ms and peak bytes of eager HF, of ours and of ours with
+    ``saved_x12="fp8"`` at ``shape``."""
+    from .bench.contenders import OURS_FP8, ModuleRunner, build_module, master_weights
     from .bench.measure import Clock, interleaved, peak_memory
 
     clock = Clock(device)
@@ -51,7 +53,7 @@ def time_llama(device: torch.device, shape=LLAMA, rounds: int = ROUNDS) -> dict:
     x = torch.randn(M, D, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(M, D, device=device, dtype=dtype)
     runners = {name: ModuleRunner(build_module(name, D, H, dtype, device, weights), x, dy)
-               for name in ("eager_hf", "swiglu_cupy")}
+               for name in ("eager_hf", "swiglu_cupy", OURS_FP8)}
     for runner in runners.values():      # compiles, cuBLAS heuristics, the self-check
         runner.fwd_bwd()
         runner.zero()
@@ -85,6 +87,11 @@ def summarize(checks: list[dict], llama: dict | None) -> tuple[list[str], bool]:
                      f"{ms['swiglu_cupy']:.2f} ms, eager {ms['eager_hf']:.2f} ms: {speedup:.2f}x "
                      f"{'faster' if speedup > 1 else 'NOT faster'}; peak memory {memory:.2f}x eager's "
                      f"({peak['swiglu_cupy'] / 2**20:.0f} / {peak['eager_hf'] / 2**20:.0f} MiB)")
+        if "swiglu_cupy_fp8" in ms:
+            lines.append(f"  saved_x12='fp8': {ms['swiglu_cupy_fp8']:.2f} ms "
+                         f"({ms['swiglu_cupy_fp8'] / ms['swiglu_cupy']:.2f}x the default's time), peak memory "
+                         f"{peak['swiglu_cupy_fp8'] / peak['swiglu_cupy']:.2f}x the default's "
+                         f"({peak['swiglu_cupy_fp8'] / 2**20:.0f} MiB)")
     return lines, ok
 
 
