@@ -136,5 +136,10 @@ def test_cpu_path_record_per_dtype_and_case():
     assert [(c["what"], c["dtype"], c["goal"]) for c in res["cases"]] == [
         ("fwd_bwd", "fp32", 1.05), ("nograd_fwd", "fp32", 1.0), ("fwd_bwd", "bf16", 1.15), ("nograd_fwd", "bf16", 1.0)]
     for case in res["cases"]:
-        assert {name: t["n"] for name, t in case["ms"].items()} == {"eager_hf": 3, "swiglu_cupy": 3}
+        timed = {"eager_hf": 3, "swiglu_cupy": 3}
+        if case["what"] == "fwd_bwd":   # saved_x12="fp8" beside the default (no-grad saves nothing)
+            timed["swiglu_cupy_fp8"] = 3
+            assert case["fp8_ratio"] == pytest.approx(case["ms"]["swiglu_cupy_fp8"]["median"]
+                                                      / case["ms"]["eager_hf"]["median"])
+        assert {name: t["n"] for name, t in case["ms"].items()} == timed
         assert case["ratio"] == pytest.approx(case["ms"]["swiglu_cupy"]["median"] / case["ms"]["eager_hf"]["median"])
