@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from .activations import resolve_activation
 
 __all__ = ["swiglu_reference", "silu_mul_reference", "glu_reference", "glu_ffn_reference", "split_gate_up",
-           "experts_reference"]
+           "experts_reference", "single_rounding_bounds"]
+
+UNIT_ROUNDOFF = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24, torch.float64: 2**-53}
 
 
 def swiglu_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -81,3 +83,29 @@ def experts_reference(hidden_states, top_k_index, top_k_weights, w12, w3, b12=No
             z = z * top_k_weights.reshape(x.shape[0], K)[token, slot].unsqueeze(1)
         acc = acc.index_add(0, token, z.to(acc.dtype))
     return acc.to(hidden_states.dtype).view(hidden_states.shape)
+
+
+def single_rounding_bounds(x12, dh, activation, ref_h, ref_dx12, *, clamp: bool = True,
+                           storage_ulps: int = 2, math_ulps: int = 64):
+    """Per-element bounds (h, dx12) between two implementations of a GLU
+    variant that both compute in fp32 (fp64 for float64) and round each
+    output once: ``storage_ulps`` x the unit roundoff of the storage dtype
+    times the value, plus ``math_ulps`` x the math dtype's unit roundoff times
+    the size of the terms (the activations' derivatives grow at most like
+    1 + g^2), plus the smallest normal. ``clamp``: size the terms from the
+    clamped gate and up (the variant's limit), as the math sees them."""
+    spec = resolve_activation(activation)
+    dtype = x12.dtype
+    ulp = storage_ulps * UNIT_ROUNDOFF[dtype]
+    eps = math_ulps * UNIT_ROUNDOFF[torch.float64 if dtype == torch.float64 else torch.float32]
+    g, u = split_gate_up(x12.double(), spec)
+    if clamp and spec.limit is not None:
+        g, u = g.clamp(max=spec.limit), u.clamp(-spec.limit, spec.limit)
+    u = u.abs() + abs(spec.up_offset)
+    d = dh.double().abs()
+    grow = 1 + g * g
+    tiny = torch.finfo(dtype).tiny
+    h_bound = ref_h.double().abs() * ulp + eps * grow * u + tiny
+    terms = [d * u * grow, d * grow]
+    dx_terms = torch.stack(terms, 2).view_as(x12) if spec.interleaved else torch.cat(terms, 1)
+    return h_bound, ref_dx12.double().abs() * ulp + eps * dx_terms + tiny

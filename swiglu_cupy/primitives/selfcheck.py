@@ -52,7 +52,7 @@ from ..kernels import launch
 from ..kernels.launch import device_index, strict_mode
 from ..kernels.launch_config import PACKS_PER_THREAD, LaunchConfig, current_launch_config, probing
 from ..kernels.sources import KernelVariant, kernel_name, kernel_variant, vector_width
-from ..reference import split_gate_up
+from ..reference import single_rounding_bounds, split_gate_up
 from . import cuda_impl, saved_x12, torch_impl
 
 __all__ = ["SelfCheckError", "CheckResult", "kernels_usable", "check_module", "result_of", "results", "format_results",
@@ -61,7 +61,6 @@ __all__ = ["SelfCheckError", "CheckResult", "kernels_usable", "check_module", "r
 
 ENV = "SWIGLU_CUPY_SELFCHECK"
 PROBE_LIMIT = 1.5                 # the clamp boundary probed for variants whose spec has none
-_UNIT_ROUNDOFF = {torch.float16: 2**-11, torch.bfloat16: 2**-8, torch.float32: 2**-24, torch.float64: 2**-53}
 STORAGE_ULPS = 2                  # x the unit roundoff: one storage ulp of the value
 MATH_ULPS = 64                    # x the math dtype's unit roundoff, times the terms' size
 LARGE = {torch.float16: 256.0}    # large magnitudes, exact in storage, that keep h finite (others: 8192)
@@ -295,20 +294,7 @@ def probe_inputs(spec: GLUActivation, dtype: torch.dtype, device: torch.device, 
 
 
 def _bounds(x12, dh, spec, ref_h, ref_dx12):
-    dtype = x12.dtype
-    ulp = STORAGE_ULPS * _UNIT_ROUNDOFF[dtype]
-    eps = MATH_ULPS * _UNIT_ROUNDOFF[torch.float64 if dtype is torch.float64 else torch.float32]
-    g, u = split_gate_up(x12.double(), spec)
-    if spec.limit is not None:
-        g, u = g.clamp(max=spec.limit), u.clamp(-spec.limit, spec.limit)
-    u = u.abs() + abs(spec.up_offset)
-    d = dh.double().abs()
-    grow = 1 + g * g
-    tiny = torch.finfo(dtype).tiny
-    h_bound = ref_h.double().abs() * ulp + eps * grow * u + tiny
-    terms = [d * u * grow, d * grow]
-    dx_terms = torch.stack(terms, 2).view_as(x12) if spec.interleaved else torch.cat(terms, 1)
-    return h_bound, ref_dx12.double().abs() * ulp + eps * dx_terms + tiny
+    return single_rounding_bounds(x12, dh, spec, ref_h, ref_dx12, storage_ulps=STORAGE_ULPS, math_ulps=MATH_ULPS)
 
 
 def _clamp_region(x12, spec):
