@@ -57,16 +57,6 @@ def is_transformed(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and is_functorch_wrapped(t)
 
 
-# torch.onnx.export(exported_program) decomposes the ops found in torch's
-# global decomposition table (torch._decomp) and has no other way to learn
-# ours. If it goes: exporting an ExportedProgram holding our functional ops
-# to ONNX fails ("no translation"); export of the model itself still works.
-def register_global_decomposition(op, implementation) -> None:
-    import torch._decomp
-
-    torch._decomp.register_decomposition(op)(implementation)
-
-
 # nn.Module's process-wide hooks (torch.nn.modules.module.register_module_*
 # hooks) live in these private dicts. The fused HF forward skips calling the
 # projections' own modules, so it must step aside while any is registered.

@@ -226,6 +226,9 @@ def test_export_decompositions_leave_no_swiglu_op(grad_enabled):
 
 
 def test_export_then_onnx_under_no_grad_matches_onnxruntime():
+    """An ExportedProgram holding our op goes to ONNX after
+    run_decompositions(aten_decompositions()) (torch.onnx.export(model)
+    itself traces aten math: tests/test_transforms.py)."""
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     model = tiny_model("llama", use_cache=False).eval()
@@ -234,7 +237,8 @@ def test_export_then_onnx_under_no_grad_matches_onnxruntime():
     with torch.no_grad():
         ep = torch.export.export(model, (x,))
         expected = model(x).logits
-    onnx_program = torch.onnx.export(ep, (x,), dynamo=True, verbose=False)
+    onnx_program = torch.onnx.export(ep.run_decompositions(ops.aten_decompositions()), (x,), dynamo=True,
+                                     verbose=False)
     session = ort.InferenceSession(onnx_program.model_proto.SerializeToString())
     feeds = {session.get_inputs()[0].name: x.numpy()}
     logits = torch.from_numpy(session.run(None, feeds)[0])

@@ -13,10 +13,15 @@ by the public API):
   launch), and the out-of-place ops have autograd formulas, so an exported
   program stays differentiable;
 - ONNX export gets plain aten math (``torch_impl``), which maps to
-  standard ONNX operators: traced directly (``torch.onnx.export(model)``), or
-  through torch's decomposition table when an ``ExportedProgram`` is exported
-  (``torch.onnx.export(ep)``); ``aten_decompositions()`` gives the same to any
-  consumer of an ``ExportedProgram`` that needs aten ops only.
+  standard ONNX operators: traced directly (``torch.onnx.export(model)``);
+  ``aten_decompositions()`` gives the same to any consumer of an
+  ``ExportedProgram`` that needs aten ops only (``torch.onnx.export(ep)``
+  after ``ep.run_decompositions(aten_decompositions())``). They are not put
+  in torch's global decomposition table: Inductor then makes our ops
+  fallbacks with a decomposition, which it refuses when the ``CI``
+  environment variable is set (as on GitHub Actions: "a decomposition
+  exists, we should switch to it"), and torch 2.11 refuses it once an op
+  gained one after becoming a fallback.
 
 The GLU variant travels as five plain op arguments (``kind: str``,
 ``limit: float?``, ``alpha: float``, ``up_offset: float``, ``interleaved:
@@ -30,7 +35,6 @@ from typing import Optional
 
 import torch
 
-from .._torch_compat import register_global_decomposition
 from ..activations import GLUActivation
 from . import run, saved_x12, torch_impl
 from .run import batch_first, gate_half, h_over_gate
@@ -277,16 +281,3 @@ def aten_decompositions() -> dict:
         ops.swiglu_forward_inplace.default: _forward_inplace_aten,
         ops.swiglu_backward_inplace.default: _backward_inplace_aten,
     }
-
-
-# torch.onnx.export(exported_program) has no ONNX translation for our ops; it
-# decomposes every op that torch's global decomposition table holds, so the
-# functional ops are registered there (exported programs hold no in-place op:
-# see route.forward_inplace), here at import, once. It must happen before
-# Inductor first builds its tables: torch 2.11's Inductor refuses an op that
-# gained a global decomposition after it made the op a fallback (registering
-# at the first export trace broke torch.compile there). torch.export's default
-# decompositions and Inductor's table are separate lists: they keep our ops
-# (and our kernels).
-for _overload, _aten in _functional_aten().items():
-    register_global_decomposition(_overload, _aten)
