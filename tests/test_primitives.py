@@ -129,14 +129,24 @@ def test_silu_mul_errors_name_the_argument(call, error, match):
         call()
 
 
+def test_torch_path_blocks_of_a_widened_dtype_have_half_the_rows(monkeypatch):
+    """A half-precision block's fp32 copies sit beside its operands: half the
+    rows of an fp32 block keep about the same bytes in cache."""
+    monkeypatch.setattr(torch_impl, "_BLOCK_ELEMENTS", 1 << 17)
+    assert torch_impl._block_rows(512, torch.float32) == 256
+    assert torch_impl._block_rows(512, torch.float64) == 256
+    assert torch_impl._block_rows(512, torch.bfloat16) == torch_impl._block_rows(512, torch.float16) == 128
+    assert torch_impl._block_rows(1 << 20, torch.bfloat16) == 1  # a row wider than a block is a block
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_torch_path_row_blocks_match_the_functional_form(dtype, interleaved, monkeypatch):
     """The buffered torch path (what primitives run: outputs written in
     place; one block, or blocks of rows through fp32 workspaces) equals the
     functional form (new tensors, what tracers see) bit for bit: as one block
-    and in blocks of 2 rows over 7 rows (a short last block), in place or
-    not, halves or interleaved."""
+    and in blocks of 4 rows (2 for a widened dtype) over 7 rows (a short last
+    block), in place or not, halves or interleaved."""
     torch.manual_seed(0)
     M, H = 7, 5
     spec = GLUActivation("silu", interleaved=interleaved)
@@ -145,7 +155,7 @@ def test_torch_path_row_blocks_match_the_functional_form(dtype, interleaved, mon
     functional_h = torch_impl.swiglu_forward_torch(x12, None, spec)
     functional_dx12, functional_h2 = torch_impl.swiglu_backward_torch(x12, dh, activation=spec)
     assert torch.equal(functional_h, functional_h2)
-    for block_elements in (torch_impl._BLOCK_ELEMENTS, 2 * H):
+    for block_elements in (torch_impl._BLOCK_ELEMENTS, 4 * H):
         monkeypatch.setattr(torch_impl, "_BLOCK_ELEMENTS", block_elements)
         out = torch.full((M, H), float("nan"), dtype=dtype)
         assert torch.equal(primitives.swiglu_forward(x12, out=out, activation=spec), functional_h)
