@@ -291,6 +291,37 @@ def test_no_grad_forward_equals_grad_forward_and_second_backward_works():
     assert torch.equal(g1, g2)  # nothing saved was overwritten
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [1, 2, 3, 8])
+def test_sum_per_token_accumulates_half_precision_in_fp32(dtype, K, device):
+    """Each token's K rows are summed in fp32 and rounded once: the plain
+    half-precision sum the combine takes must equal that bit for bit (a
+    half-precision accumulator of 8 terms differs on these rows: large and
+    small terms)."""
+    from swiglu_cupy.moe.tokens import sum_per_token
+    torch.manual_seed(0)
+    T, N = 64, 96
+    rows = (torch.randn(T * K, N) * torch.logspace(-3, 3, T * K).unsqueeze(1)).to(device, dtype)
+    inv_perm = torch.randperm(T * K).to(device)
+    expected = rows[inv_perm].view(T, K, N).double().sum(1)
+    wide = rows[inv_perm].view(T, K, N).float().sum(1).to(dtype)
+    got = sum_per_token(rows, inv_perm, K, dtype)
+    assert got.dtype == dtype and torch.equal(got, wide)
+    if K > 2:  # a half-precision accumulator, for contrast (two terms round once either way)
+        naive = rows[inv_perm].view(T, K, N)[:, 0]
+        for k in range(1, K):
+            naive = naive + rows[inv_perm].view(T, K, N)[:, k]
+        assert not torch.equal(naive, got)
+    magnitude = rows[inv_perm].view(T, K, N).double().abs().sum(1)
+    bound = expected.abs() * torch.finfo(dtype).eps / 2 + magnitude * K * 2.0 ** -24  # one rounding, fp32 sums
+    assert ((got.double() - expected).abs() <= bound).all()
+    assert torch.equal(sum_per_token(rows, inv_perm, K, torch.float32), rows[inv_perm].view(T, K, N).float().sum(1))
+    wide_rows = rows.float()
+    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, torch.float32), wide_rows[inv_perm].view(T, K, N).sum(1))
+    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, dtype), wide_rows[inv_perm].view(T, K, N).sum(1).to(dtype))
+
+
 def test_combine_is_deterministic():
     inputs = make(T=200, E=8, K=3)
     ys = [run(inputs, SILU, False) for _ in range(3)]
