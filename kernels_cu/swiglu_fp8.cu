@@ -21,47 +21,12 @@
 
 __device__ __forceinline__ float to_float(scalar_t v) { return (float)to_acc(v); }
 
-template <class GLU, int PACKS>
-__device__ __forceinline__ void glu_forward_fp8_halves(
-    const scalar_t* gate, const scalar_t* up, scalar_t* h, unsigned char* q, float* scales,
-    index_t M, index_t H, index_t ld_gate, index_t ld_up, index_t ld_h, index_t ld_q, index_t ld_scales,
-    const GluParams prm) {
-    const index_t blocks = (H + SWIGLU_FP8_BLOCK - 1) / SWIGLU_FP8_BLOCK;
-    SWIGLU_FOR_EACH_TILE_OF(1, PACKS, row, block0, blocks) {
-#pragma unroll 1
-        for (int p = 0; p < PACKS; ++p) {
-            const index_t block = pack_column<1>(block0, p);
-            if (block >= blocks) break;
-            const index_t c0 = block * SWIGLU_FP8_BLOCK;
-            const int n = (int)(H - c0 < SWIGLU_FP8_BLOCK ? H - c0 : SWIGLU_FP8_BLOCK);
-            const scalar_t* g = gate + row * ld_gate + c0;
-            const scalar_t* u = up + row * ld_up + c0;
-            float amax_g = 0.0f, amax_u = 0.0f;
-            for (int i = 0; i < n; ++i) {
-                amax_g = nan_max_abs(amax_g, to_float(g[i]));
-                amax_u = nan_max_abs(amax_u, to_float(u[i]));
-            }
-            const float scale_g = amax_g / SWIGLU_FP8_MAX, scale_u = amax_u / SWIGLU_FP8_MAX;
-            scales[row * ld_scales + block] = scale_g;
-            scales[row * ld_scales + blocks + block] = scale_u;
-            scalar_t* h_row = h + row * ld_h + c0;
-            unsigned char* q_gate = q + row * ld_q + c0;
-            unsigned char* q_up = q + row * ld_q + H + c0;
-            for (int i = 0; i < n; ++i) {
-                const acc_t gv = to_acc(g[i]), uv = to_acc(u[i]);
-                h_row[i] = from_acc<scalar_t>(GLU::forward(gv, uv, prm));
-                q_gate[i] = quantize_e4m3((float)gv, scale_g);
-                q_up[i] = quantize_e4m3((float)uv, scale_u);
-            }
-        }
-    }
-}
-
-template <class GLU, int PACKS>
-__device__ __forceinline__ void glu_forward_fp8_pairs(
-    const scalar_t* x12, scalar_t* h, unsigned char* q, float* scales, index_t M, index_t H,
-    index_t ld_x12, index_t ld_h, index_t ld_q, index_t ld_scales, const GluParams prm) {
-    const index_t width = 2 * H;
+// The prologue every fp8 kernel shares: each 128-column block of a row's
+// ``width`` columns that this thread owns (the grid maps blocks as the other
+// kernels map packs), as body(row, block, blocks, c0, n): c0 its first column,
+// n its columns (the row's last block may be short).
+template <int PACKS, class Body>
+__device__ __forceinline__ void for_each_fp8_block(index_t M, index_t width, Body body) {
     const index_t blocks = (width + SWIGLU_FP8_BLOCK - 1) / SWIGLU_FP8_BLOCK;
     SWIGLU_FOR_EACH_TILE_OF(1, PACKS, row, block0, blocks) {
 #pragma unroll 1
@@ -69,22 +34,59 @@ __device__ __forceinline__ void glu_forward_fp8_pairs(
             const index_t block = pack_column<1>(block0, p);
             if (block >= blocks) break;
             const index_t c0 = block * SWIGLU_FP8_BLOCK;
-            const int n = (int)(width - c0 < SWIGLU_FP8_BLOCK ? width - c0 : SWIGLU_FP8_BLOCK);  // even
-            const scalar_t* x = x12 + row * ld_x12 + c0;
-            float amax = 0.0f;
-            for (int i = 0; i < n; ++i) amax = nan_max_abs(amax, to_float(x[i]));
-            const float scale = amax / SWIGLU_FP8_MAX;
-            scales[row * ld_scales + block] = scale;
-            scalar_t* h_row = h + row * ld_h + c0 / 2;
-            unsigned char* q_row = q + row * ld_q + c0;
-            for (int i = 0; i < n; i += 2) {
-                const acc_t gv = to_acc(x[i]), uv = to_acc(x[i + 1]);
-                h_row[i / 2] = from_acc<scalar_t>(GLU::forward(gv, uv, prm));
-                q_row[i] = quantize_e4m3((float)gv, scale);
-                q_row[i + 1] = quantize_e4m3((float)uv, scale);
-            }
+            body(row, block, blocks, c0, (int)(width - c0 < SWIGLU_FP8_BLOCK ? width - c0 : SWIGLU_FP8_BLOCK));
         }
     }
+}
+
+template <class GLU, int PACKS>
+__device__ __forceinline__ void glu_forward_fp8_halves(
+    const scalar_t* gate, const scalar_t* up, scalar_t* h, unsigned char* q, float* scales,
+    index_t M, index_t H, index_t ld_gate, index_t ld_up, index_t ld_h, index_t ld_q, index_t ld_scales,
+    const GluParams prm) {
+    for_each_fp8_block<PACKS>(M, H, [&](index_t row, index_t block, index_t blocks, index_t c0, int n) {
+        const scalar_t* g = gate + row * ld_gate + c0;
+        const scalar_t* u = up + row * ld_up + c0;
+        float amax_g = 0.0f, amax_u = 0.0f;
+        for (int i = 0; i < n; ++i) {
+            amax_g = nan_max_abs(amax_g, to_float(g[i]));
+            amax_u = nan_max_abs(amax_u, to_float(u[i]));
+        }
+        const float scale_g = amax_g / SWIGLU_FP8_MAX, scale_u = amax_u / SWIGLU_FP8_MAX;
+        scales[row * ld_scales + block] = scale_g;
+        scales[row * ld_scales + blocks + block] = scale_u;
+        scalar_t* h_row = h + row * ld_h + c0;
+        unsigned char* q_gate = q + row * ld_q + c0;
+        unsigned char* q_up = q + row * ld_q + H + c0;
+        for (int i = 0; i < n; ++i) {
+            const acc_t gv = to_acc(g[i]), uv = to_acc(u[i]);
+            h_row[i] = from_acc<scalar_t>(GLU::forward(gv, uv, prm));
+            q_gate[i] = quantize_e4m3((float)gv, scale_g);
+            q_up[i] = quantize_e4m3((float)uv, scale_u);
+        }
+    });
+}
+
+template <class GLU, int PACKS>
+__device__ __forceinline__ void glu_forward_fp8_pairs(
+    const scalar_t* x12, scalar_t* h, unsigned char* q, float* scales, index_t M, index_t H,
+    index_t ld_x12, index_t ld_h, index_t ld_q, index_t ld_scales, const GluParams prm) {
+    // n is even: 2H columns in blocks of 128.
+    for_each_fp8_block<PACKS>(M, 2 * H, [&](index_t row, index_t block, index_t, index_t c0, int n) {
+        const scalar_t* x = x12 + row * ld_x12 + c0;
+        float amax = 0.0f;
+        for (int i = 0; i < n; ++i) amax = nan_max_abs(amax, to_float(x[i]));
+        const float scale = amax / SWIGLU_FP8_MAX;
+        scales[row * ld_scales + block] = scale;
+        scalar_t* h_row = h + row * ld_h + c0 / 2;
+        unsigned char* q_row = q + row * ld_q + c0;
+        for (int i = 0; i < n; i += 2) {
+            const acc_t gv = to_acc(x[i]), uv = to_acc(x[i + 1]);
+            h_row[i / 2] = from_acc<scalar_t>(GLU::forward(gv, uv, prm));
+            q_row[i] = quantize_e4m3((float)gv, scale);
+            q_row[i + 1] = quantize_e4m3((float)uv, scale);
+        }
+    });
 }
 
 template <class GLU, int PACKS>
@@ -92,29 +94,21 @@ __device__ __forceinline__ void glu_backward_fp8_halves(
     const unsigned char* q, const float* scales, const scalar_t* dh, scalar_t* dgate, scalar_t* dup, scalar_t* h,
     index_t M, index_t H, index_t ld_q, index_t ld_scales, index_t ld_dh, index_t ld_dgate, index_t ld_dup,
     index_t ld_h, const GluParams prm) {
-    const index_t blocks = (H + SWIGLU_FP8_BLOCK - 1) / SWIGLU_FP8_BLOCK;
-    SWIGLU_FOR_EACH_TILE_OF(1, PACKS, row, block0, blocks) {
-#pragma unroll 1
-        for (int p = 0; p < PACKS; ++p) {
-            const index_t block = pack_column<1>(block0, p);
-            if (block >= blocks) break;
-            const index_t c0 = block * SWIGLU_FP8_BLOCK;
-            const int n = (int)(H - c0 < SWIGLU_FP8_BLOCK ? H - c0 : SWIGLU_FP8_BLOCK);
-            const float scale_g = scales[row * ld_scales + block];
-            const float scale_u = scales[row * ld_scales + blocks + block];
-            const unsigned char* q_gate = q + row * ld_q + c0;
-            const unsigned char* q_up = q + row * ld_q + H + c0;
-            const scalar_t* d = dh + row * ld_dh + c0;
-            for (int i = 0; i < n; ++i) {
-                acc_t hv, dg, du;
-                GLU::backward((acc_t)(float_from_e4m3(q_gate[i]) * scale_g),
-                              (acc_t)(float_from_e4m3(q_up[i]) * scale_u), to_acc(d[i]), prm, hv, dg, du);
-                dgate[row * ld_dgate + c0 + i] = from_acc<scalar_t>(dg);
-                dup[row * ld_dup + c0 + i] = from_acc<scalar_t>(du);
-                h[row * ld_h + c0 + i] = from_acc<scalar_t>(hv);
-            }
+    for_each_fp8_block<PACKS>(M, H, [&](index_t row, index_t block, index_t blocks, index_t c0, int n) {
+        const float scale_g = scales[row * ld_scales + block];
+        const float scale_u = scales[row * ld_scales + blocks + block];
+        const unsigned char* q_gate = q + row * ld_q + c0;
+        const unsigned char* q_up = q + row * ld_q + H + c0;
+        const scalar_t* d = dh + row * ld_dh + c0;
+        for (int i = 0; i < n; ++i) {
+            acc_t hv, dg, du;
+            GLU::backward((acc_t)(float_from_e4m3(q_gate[i]) * scale_g),
+                          (acc_t)(float_from_e4m3(q_up[i]) * scale_u), to_acc(d[i]), prm, hv, dg, du);
+            dgate[row * ld_dgate + c0 + i] = from_acc<scalar_t>(dg);
+            dup[row * ld_dup + c0 + i] = from_acc<scalar_t>(du);
+            h[row * ld_h + c0 + i] = from_acc<scalar_t>(hv);
         }
-    }
+    });
 }
 
 template <class GLU, int PACKS>
@@ -122,28 +116,19 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
     const unsigned char* q, const float* scales, const scalar_t* dh, scalar_t* dx12, scalar_t* h,
     index_t M, index_t H, index_t ld_q, index_t ld_scales, index_t ld_dh, index_t ld_dx12, index_t ld_h,
     const GluParams prm) {
-    const index_t width = 2 * H;
-    const index_t blocks = (width + SWIGLU_FP8_BLOCK - 1) / SWIGLU_FP8_BLOCK;
-    SWIGLU_FOR_EACH_TILE_OF(1, PACKS, row, block0, blocks) {
-#pragma unroll 1
-        for (int p = 0; p < PACKS; ++p) {
-            const index_t block = pack_column<1>(block0, p);
-            if (block >= blocks) break;
-            const index_t c0 = block * SWIGLU_FP8_BLOCK;
-            const int n = (int)(width - c0 < SWIGLU_FP8_BLOCK ? width - c0 : SWIGLU_FP8_BLOCK);
-            const float scale = scales[row * ld_scales + block];
-            const unsigned char* q_row = q + row * ld_q + c0;
-            for (int i = 0; i < n; i += 2) {
-                const index_t col = (c0 + i) / 2;
-                acc_t hv, dg, du;
-                GLU::backward((acc_t)(float_from_e4m3(q_row[i]) * scale), (acc_t)(float_from_e4m3(q_row[i + 1]) * scale),
-                              to_acc(dh[row * ld_dh + col]), prm, hv, dg, du);
-                dx12[row * ld_dx12 + 2 * col] = from_acc<scalar_t>(dg);
-                dx12[row * ld_dx12 + 2 * col + 1] = from_acc<scalar_t>(du);
-                h[row * ld_h + col] = from_acc<scalar_t>(hv);
-            }
+    for_each_fp8_block<PACKS>(M, 2 * H, [&](index_t row, index_t block, index_t, index_t c0, int n) {
+        const float scale = scales[row * ld_scales + block];
+        const unsigned char* q_row = q + row * ld_q + c0;
+        for (int i = 0; i < n; i += 2) {
+            const index_t col = (c0 + i) / 2;
+            acc_t hv, dg, du;
+            GLU::backward((acc_t)(float_from_e4m3(q_row[i]) * scale), (acc_t)(float_from_e4m3(q_row[i + 1]) * scale),
+                          to_acc(dh[row * ld_dh + col]), prm, hv, dg, du);
+            dx12[row * ld_dx12 + 2 * col] = from_acc<scalar_t>(dg);
+            dx12[row * ld_dx12 + 2 * col + 1] = from_acc<scalar_t>(du);
+            h[row * ld_h + col] = from_acc<scalar_t>(hv);
         }
-    }
+    });
 }
 
 // One element per access (N is unused: the names keep the other kernels' scheme).
