@@ -15,6 +15,7 @@ tensor from functional ops only, which tracers and decompositions require.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -131,10 +132,9 @@ def _in_row_blocks(block_fn, like: torch.Tensor, *tensors: torch.Tensor | None) 
         block_fn(None, *tensors)
         return
     ws = _Workspace(like, step)
-    count = -(-rows // step)
     # One split per tensor (its blocks as views, made in one call) costs far
     # less per block than slicing each tensor in Python.
-    per_tensor = [(None,) * count if t is None else t.split(step) for t in tensors]
+    per_tensor = [itertools.repeat(None) if t is None else t.split(step) for t in tensors]
     for blocks in zip(*per_tensor):
         block_fn(ws, *blocks)
 
