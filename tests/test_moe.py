@@ -305,9 +305,9 @@ def test_sum_per_token_accumulates_half_precision_in_fp32(dtype, K, device):
     rows = (torch.randn(T * K, N) * torch.logspace(-3, 3, T * K).unsqueeze(1)).to(device, dtype)
     inv_perm = torch.randperm(T * K).to(device)
     per_token = rows[inv_perm].view(T, K, N)
-    expected = per_token.double().sum(1)
+    expected, fp32_sums = per_token.double().sum(1), per_token.float().sum(1)
     got = sum_per_token(rows, inv_perm, K, dtype)
-    assert got.dtype == dtype and torch.equal(got, per_token.float().sum(1).to(dtype))
+    assert got.dtype == dtype and torch.equal(got, fp32_sums.to(dtype))
     if K > 2:  # a half-precision accumulator, for contrast (two terms round once either way)
         naive = per_token[:, 0]
         for k in range(1, K):
@@ -316,10 +316,10 @@ def test_sum_per_token_accumulates_half_precision_in_fp32(dtype, K, device):
     magnitude = per_token.double().abs().sum(1)
     bound = expected.abs() * torch.finfo(dtype).eps / 2 + magnitude * K * 2.0 ** -24  # one rounding, fp32 sums
     assert ((got.double() - expected).abs() <= bound).all()
-    assert torch.equal(sum_per_token(rows, inv_perm, K, torch.float32), per_token.float().sum(1))
+    assert torch.equal(sum_per_token(rows, inv_perm, K, torch.float32), fp32_sums)
     wide_rows = rows.float()
-    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, torch.float32), per_token.float().sum(1))
-    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, dtype), per_token.float().sum(1).to(dtype))
+    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, torch.float32), fp32_sums)
+    assert torch.equal(sum_per_token(wide_rows, inv_perm, K, dtype), fp32_sums.to(dtype))
 
 
 def test_combine_is_deterministic():
