@@ -113,6 +113,16 @@ def check_saved_x12(saved_x12, recompute_gate_up: bool = False, inplace_backward
     return True
 
 
+def check_tile_rows(tile_rows) -> None:
+    """``tile_rows``: None (untiled), a positive int (rows per tile) or ``"auto"``."""
+    if tile_rows is None or tile_rows == "auto" and isinstance(tile_rows, str):
+        return
+    if isinstance(tile_rows, bool) or not isinstance(tile_rows, int):
+        raise TypeError(f"tile_rows must be None, a positive int or 'auto', got {tile_rows!r}")
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows must be a positive number of rows (or None / 'auto'), got {tile_rows}")
+
+
 def check_fp8_compute_dtype(dtype: torch.dtype) -> None:
     """The compute dtype (after autocast) of a call with saved_x12='fp8'."""
     if dtype not in FP8_SAVED_X12_DTYPES:

@@ -18,10 +18,10 @@ def _packed(seed=0):
 
 def test_apply_with_every_argument_matches_the_reference():
     x, w12, w3 = _packed()
-    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False)
+    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False, 0, True)
     assert torch.allclose(y, swiglu_reference(x, w12, None, w3, None), rtol=1e-5, atol=1e-6)
     assert x12.shape == (5, 2 * H)
-    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, GPT_OSS, False, False, False, False)
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, GPT_OSS, False, False, False, False, 0, True)
     assert torch.allclose(y, glu_ffn_reference(x, w12, None, w3, None, GPT_OSS), rtol=1e-5, atol=1e-6)
 
 
@@ -29,7 +29,7 @@ def test_backward_builds_no_zero_gradient_for_x12():
     """x12 is an output only so that it can be saved: autograd must not
     materialise a zero [M, 2H] gradient for it before every backward."""
     x, w12, w3 = (t.requires_grad_() for t in _packed())
-    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False)
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False, 0, True)
     filled = zero_filled_shapes(lambda: y.sum().backward())
     assert (x.shape[0], 2 * H) not in filled, filled
     assert x.grad.abs().sum() > 0 and w12.grad.abs().sum() > 0
@@ -49,7 +49,7 @@ def test_missing_arguments_fail_the_same_way_in_eager_and_under_transforms(trans
     short = lambda x: SwiGLUFunction.apply(x, w12, None, None, None, w3, None)[0]  # noqa: E731
     call = {"eager": short, "vmap": torch.func.vmap(short),
             "grad": torch.func.grad(lambda x: short(x).sum())}[transform]
-    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 12 positional arguments .*got 7"):
+    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 14 positional arguments .*got 7"):
         call(x)
 
 

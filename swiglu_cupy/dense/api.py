@@ -18,6 +18,7 @@ from .._autograd import graph_needed, under_autocast
 from .._validation import Role
 from ..activations import resolve_activation
 from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass
+from .tiles import resolve_tile_rows
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
 
@@ -30,30 +31,38 @@ _SILU_MUL_ROLES = {"gate": Role.INPUT, "up": Role.INPUT}
 def _run(args: list, flags: tuple) -> torch.Tensor:
     """The one place SwiGLUFunction is applied. Under autocast every input is
     cast to the autocast dtype, like nn.Linear. ``flags``: (activation,
-    recompute_gate_up, inplace_backward, saved_x12_fp8)."""
+    recompute_gate_up, inplace_backward, saved_x12_fp8, tile_rows as given,
+    tile_grads_fp32)."""
     return under_autocast(args[0].device.type, args, lambda args: _forward_or_apply(args, flags))
 
 
 def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
+    x, w3 = args[0], args[5]
+    *modes, tile_rows, tile_grads_fp32 = flags
+    tile = resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1), w3.shape[1], x.dtype)
     if graph_needed():
-        if flags[3]:
-            check.check_fp8_compute_dtype(args[0].dtype)
-        return SwiGLUFunction.apply(*args, *flags, not torch.is_grad_enabled())[0]
+        if modes[3]:
+            check.check_fp8_compute_dtype(x.dtype)
+        return SwiGLUFunction.apply(*args, *modes, not torch.is_grad_enabled(), tile, tile_grads_fp32)[0]
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
-    return swiglu_forward_pass(*args, flags[0], True, False)[0]  # inference, eager (no tracer, no transform)
+    return swiglu_forward_pass(*args, modes[0], True, False, False, tile)[0]  # inference, eager
 
 
-def _check_modes(recompute_gate_up, inplace_backward, saved_x12) -> bool:
+def _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows=None, tile_grads_fp32=True) -> bool:
     """Checks the memory modes; returns whether x12 is saved in 8 bits."""
-    if type(recompute_gate_up) is not bool or type(inplace_backward) is not bool:
-        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    if any(type(flag) is not bool for flag in (recompute_gate_up, inplace_backward, tile_grads_fp32)):
+        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
+                          tile_grads_fp32=tile_grads_fp32)
+    if tile_rows is not None:
+        check.check_tile_rows(tile_rows)
     return saved_x12 is not None and check.check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
            w3: torch.Tensor, b3: torch.Tensor | None, *, activation="silu",
-           recompute_gate_up: bool = False, inplace_backward: bool = False, saved_x12=None) -> torch.Tensor:
+           recompute_gate_up: bool = False, inplace_backward: bool = False, saved_x12=None,
+           tile_rows=None, tile_grads_fp32: bool = True) -> torch.Tensor:
     """Fused SwiGLU feed-forward: returns [..., O] (layout in ``functions.py``).
 
     ``activation`` picks the GLU variant (``"gelu_tanh"``, ...,
@@ -64,28 +73,39 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     float32/bfloat16/float16 compute, see docs/design.md). Under ``torch.autocast`` the inputs are
     cast to the autocast dtype (as ``nn.Linear`` does), and the gradients flow back in each input's
     dtype.
+
+    ``tile_rows`` (long sequences; default None: untiled) runs the whole op ``tile_rows`` rows
+    at a time, forward and backward, so no ``[tokens, H]``-sized tensor exists and only x is
+    saved (x12 is recomputed per tile; with ``saved_x12="fp8"`` the tiles' 8-bit x12 is saved
+    instead). ``"auto"`` picks the largest multiple of 256 rows whose ``[tile, 2H]`` workspace
+    fits in 256 MiB. Inputs with no more rows than one tile take the untiled path unchanged.
+    ``tile_grads_fp32`` (default True) accumulates 16-bit weights' gradients across tiles in
+    float32 (4 bytes per weight element during backward); False accumulates in their dtype.
+    See docs/long-context.md.
     """
     check.reject_jit()
     if not check.common_packed_case(x, w12, b12, w3, b3):
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12)
+    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32)
     return _run([x, w12, b12, None, None, w3, b3],
-                (resolve_activation(activation), recompute_gate_up, inplace_backward, fp8))
+                (resolve_activation(activation), recompute_gate_up, inplace_backward, fp8, tile_rows,
+                 tile_grads_fp32))
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
                     w2: torch.Tensor, b2: torch.Tensor | None, w3: torch.Tensor,
                     b3: torch.Tensor | None, *, activation="silu", recompute_gate_up: bool = False,
-                    inplace_backward: bool = False, saved_x12=None) -> torch.Tensor:
+                    inplace_backward: bool = False, saved_x12=None, tile_rows=None,
+                    tile_grads_fp32: bool = True) -> torch.Tensor:
     """``swiglu`` with separate gate (``w1 [H, D]``, ``b1``) and up (``w2``,
     ``b2``) projections: ``w3(silu(x @ w1.T + b1) * (x @ w2.T + b2)) + b3``.
 
     The two GEMMs write the halves of one x12 buffer, so the weights are never
     concatenated; the same Function, kernels and guarantees as ``swiglu``
     (backward takes one GEMM more: dx is ``dgate @ w1 + dup @ w2``).
-    ``activation`` and ``saved_x12`` as in ``swiglu``, halves layout only (separate weights
+    ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
     have no interleaving).
     """
     check.reject_jit()
@@ -93,9 +113,10 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
     check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12)
+    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32)
     return _run([x, w1, b1, w2, b2, w3, b3],
-                (_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward, fp8))
+                (_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward, fp8,
+                 tile_rows, tile_grads_fp32))
 
 
 def _halves_activation(activation, what: str):

@@ -29,6 +29,7 @@ from .._torch_compat import is_transformed
 from ..primitives import route
 from ..primitives.run import batch_first
 from . import gemm as _gemm
+from . import tiles as _tiles
 
 __all__ = ["SwiGLUFunction", "SiluMulFunction"]
 
@@ -39,8 +40,8 @@ class SwiGLUFunction(LeanApplyFunction):
     elementwise pass.
 
     ``apply(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up,
-    inplace_backward, saved_x12_fp8, inference) -> (y, x12)`` (all twelve positional and
-    required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
+    inplace_backward, saved_x12_fp8, inference, tile_rows, tile_grads_fp32) -> (y, x12)``
+    (all fourteen positional and required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
     and return ``y``):
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
       and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
@@ -55,6 +56,12 @@ class SwiGLUFunction(LeanApplyFunction):
       columns; the second output is then that uint8 tensor), written by the
       forward's elementwise pass and read by the backward's; exclusive with
       the two modes above (the API refuses the combinations).
+    - ``tile_rows``: 0 (untiled), or rows per tile (``dense.tiles``, more rows
+      than one tile): the forward and the backward run tile by tile, nothing
+      of ``tokens x H`` elements exists, and only x (with fp8: the tiles'
+      8-bit x12) is saved; ``tile_grads_fp32`` accumulates the 16-bit
+      weights' gradients across tiles in float32. The second output is then
+      empty (or the 8-bit x12).
     - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
       Then h is written over the gate half of x12 and the down projection
       reads that strided view: nothing is allocated besides x12 and y.
@@ -65,17 +72,21 @@ class SwiGLUFunction(LeanApplyFunction):
 
     @staticmethod
     def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8,
-                inference):
+                inference, tile_rows, tile_grads_fp32):
         return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x),
-                                   saved_x12_fp8)
+                                   saved_x12_fp8, tile_rows)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8, inference = inputs
+        (x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8, inference,
+         tile_rows, tile_grads_fp32) = inputs
         mark_saved_only(ctx, output[1])
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
-        if recompute_gate_up:
+        ctx.tile_rows, ctx.tile_grads_fp32 = tile_rows, tile_grads_fp32
+        if tile_rows:  # x, the weights and the tiles' 8-bit x12 (empty: recomputed per tile)
+            ctx.save_for_backward(x, w1, b1, w2, b2, w3, output[1])
+        elif recompute_gate_up:
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
         else:
             ctx.save_for_backward(x, w1, w2, w3, output[1])
@@ -89,13 +100,19 @@ class SwiGLUFunction(LeanApplyFunction):
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 12
-        if ctx.inplace_backward and ctx.backward_done:
+            return (None,) * 14
+        if ctx.inplace_backward and ctx.backward_done and not ctx.tile_rows:
             raise RuntimeError(
                 "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
                 "backward overwrote the saved x12; a second backward (retain_graph=True) "
                 "cannot run. Use inplace_backward=False to backpropagate more than once.")
         ctx.backward_done = True
+        if ctx.tile_rows:
+            x, w1, b1, w2, b2, w3, saved = ctx.saved_tensors
+            grads = _tiles.tiled_backward(dy.reshape(-1, w3.shape[0]), x.reshape(-1, x.shape[-1]), w1, b1, w2, b2,
+                                          w3, saved, ctx.activation, ctx.tile_rows, ctx.needs_input_grad[:7],
+                                          ctx.tile_grads_fp32, x.shape)
+            return (*grads,) + (None,) * 7
         if ctx.recompute_gate_up:
             x, w1, b1, w2, b2, w3 = ctx.saved_tensors
             x2d = x.reshape(-1, x.shape[-1])
@@ -127,7 +144,7 @@ class SwiGLUFunction(LeanApplyFunction):
             dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *spec_and_modes):
@@ -135,7 +152,7 @@ class SwiGLUFunction(LeanApplyFunction):
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
-                        saved_x12_fp8: bool = False):
+                        saved_x12_fp8: bool = False, tile_rows: int = 0):
     """The forward's computation: (y, x12), or (y, the 8-bit saved x12) with
     ``saved_x12_fp8`` (not under ``inference``). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
@@ -143,6 +160,10 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
     take the saving path. The API calls this directly under no_grad (no
     graph, so the Function has no job there)."""
     flat = x.dim() == 2
+    if tile_rows:  # rows per tile, more rows than one tile (dense.tiles)
+        return _tiles.tiled_forward(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, w3, b3,
+                                    activation, tile_rows, inference, is_functional, saved_x12_fp8,
+                                    None if flat else (*x.shape[:-1], w3.shape[0]))
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
     if inference:
         h = route.forward_inplace(x12, activation)
@@ -161,7 +182,7 @@ def _swiglu_vmap_rule(info, in_dims, tensors, modes):
     x_dim, *weight_dims = in_dims
     if all(d is None for d in weight_dims):
         y, x12 = SwiGLUFunction.apply(batch_first(info, x, x_dim), *weights, *modes)
-        return (y, x12.view(info.batch_size, -1, x12.shape[-1])), (0, 0)
+        return (y, x12.view(info.batch_size, x12.shape[0] // info.batch_size, x12.shape[-1])), (0, 0)
     members = []
     for i in range(info.batch_size):
         pick = lambda t, d: t if t is None or d is None else t.select(d, i)  # noqa: E731

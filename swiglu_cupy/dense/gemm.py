@@ -58,22 +58,57 @@ def down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, is_functional: bool) 
     return y
 
 
-def input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
-    """dx = dx12 @ w12 (separate weights: dgate @ w1 + dup @ w2, no concatenation,
-    except in 16-bit dtypes: there the sum of two GEMMs rounds dx twice, so one
-    GEMM reads a transient [w1; w2] and dx is rounded once, as with packed weights)."""
-    D = w1.shape[1]
+def input_grad_weights(w1: torch.Tensor, w2, dtype: torch.dtype) -> tuple:
+    """The weights dx reads: ``(w12, None)`` packed; separate ones as they are,
+    except in 16-bit dtypes: there the sum of two GEMMs would round dx twice,
+    so one GEMM reads a transient ``[w1; w2]`` and dx is rounded once, as with
+    packed weights."""
+    if w2 is not None and dtype in (torch.float16, torch.bfloat16):
+        return torch.cat([w1, w2]), None
+    return w1, w2
+
+
+def input_grad_rows(dx12: torch.Tensor, w1: torch.Tensor, w2, out: torch.Tensor | None) -> torch.Tensor:
+    """dx [M, D] = dx12 @ w12 (or dgate @ w1 + dup @ w2), into ``out`` when given;
+    ``(w1, w2)`` from ``input_grad_weights``."""
     H = dx12.shape[1] // 2
-    if w2 is not None and dx12.dtype in (torch.float16, torch.bfloat16):
-        w1, w2 = torch.cat([w1, w2]), None
-    if functional(dx12):
-        dx = torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
-        return dx.view(x_shape)
-    dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
-    dx2d = dx.view(-1, D)
+    if out is None:
+        return torch.mm(dx12, w1) if w2 is None else torch.addmm(torch.mm(dx12[:, :H], w1), dx12[:, H:], w2)
     if w2 is None:
-        torch.mm(dx12, w1, out=dx2d)
-    else:
-        torch.mm(dx12[:, :H], w1, out=dx2d)
-        dx2d.addmm_(dx12[:, H:], w2)
+        return torch.mm(dx12, w1, out=out)
+    torch.mm(dx12[:, :H], w1, out=out)
+    return out.addmm_(dx12[:, H:], w2)
+
+
+def input_grad(dx12: torch.Tensor, w1: torch.Tensor, w2, x_shape) -> torch.Tensor:
+    """dx = dx12 @ w12 in x's shape (weights as ``input_grad_weights`` takes them)."""
+    w1, w2 = input_grad_weights(w1, w2, dx12.dtype)
+    if functional(dx12):
+        return input_grad_rows(dx12, w1, w2, None).view(x_shape)
+    dx = torch.empty(x_shape, dtype=dx12.dtype, device=dx12.device)
+    input_grad_rows(dx12, w1, w2, dx.view(-1, w1.shape[1]))
     return dx
+
+
+#: torch.mm(..., out_dtype=torch.float32) of 16-bit operands: CUDA only (torch's ``aten::mm.dtype``).
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b of 16-bit operands as a float32 result (fp32 accumulation, no rounding):
+    cuBLAS writes fp32 directly; elsewhere the operands are widened (exact)."""
+    if a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def accumulate_mm(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype,
+                  is_functional: bool) -> torch.Tensor:
+    """acc + a @ b in ``acc_dtype`` (None: the first term), in place outside tracing."""
+    part_dtype_ok = a.dtype == acc_dtype
+    if acc is None:
+        return torch.mm(a, b) if part_dtype_ok else _mm_fp32(a, b)
+    if part_dtype_ok:
+        return acc + torch.mm(a, b) if is_functional else acc.addmm_(a, b)
+    part = _mm_fp32(a, b)
+    return acc + part if is_functional else acc.add_(part)

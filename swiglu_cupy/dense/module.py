@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validation import check_saved_x12
+from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..activations import resolve_activation
 from .api import swiglu
 
@@ -37,15 +37,21 @@ class SwiGLU(nn.Module):
 
     ``recompute_gate_up=True`` saves only x for backward (one extra GEMM);
     ``inplace_backward=True`` reuses the saved x12 for dx12 (single backward);
-    ``saved_x12="fp8"`` saves x12 as float8 e4m3 with per-128-column scales
-    (see ``swiglu``). Each is kept as the attribute of its name.
+    ``saved_x12="fp8"`` saves x12 as float8 e4m3 with per-128-column scales;
+    ``tile_rows`` (an int or ``"auto"``) runs long sequences in row tiles, so
+    no ``[tokens, H]`` tensor exists, and ``tile_grads_fp32`` picks the tiles'
+    gradient accumulation (see ``swiglu``). Each is kept as the attribute of
+    its name.
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
                  bias: bool = True, device=None, dtype=None, *, activation="silu",
-                 recompute_gate_up: bool = False, inplace_backward: bool = False, saved_x12=None) -> None:
+                 recompute_gate_up: bool = False, inplace_backward: bool = False, saved_x12=None,
+                 tile_rows=None, tile_grads_fp32: bool = True) -> None:
         super().__init__()
         check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
+        check_tile_rows(tile_rows)
+        check_flags(tile_grads_fp32=tile_grads_fp32)
         for name, value in (("in_features", in_features), ("hidden_features", hidden_features),
                             ("out_features", out_features)):
             if value is None and name == "out_features":
@@ -56,6 +62,7 @@ class SwiGLU(nn.Module):
         self.activation = resolve_activation(activation)
         self.recompute_gate_up, self.inplace_backward = recompute_gate_up, inplace_backward
         self.saved_x12 = saved_x12
+        self.tile_rows, self.tile_grads_fp32 = tile_rows, tile_grads_fp32
         self.in_features, self.hidden_features, self.out_features = in_features, hidden_features, out_features
         self.w12 = nn.Linear(in_features, 2 * hidden_features, bias=bias, device=device, dtype=dtype)
         self.w3 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
@@ -78,7 +85,8 @@ class SwiGLU(nn.Module):
         return swiglu(x, _registered(w12, "_parameters", "weight"), _registered(w12, "_parameters", "bias"),
                       _registered(w3, "_parameters", "weight"), _registered(w3, "_parameters", "bias"),
                       activation=self.activation, recompute_gate_up=self.recompute_gate_up,
-                      inplace_backward=self.inplace_backward, saved_x12=self.saved_x12)
+                      inplace_backward=self.inplace_backward, saved_x12=self.saved_x12, tile_rows=self.tile_rows,
+                      tile_grads_fp32=self.tile_grads_fp32)
 
     @classmethod
     def from_gate_up_down(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, **kwargs) -> "SwiGLU":
@@ -164,7 +172,8 @@ class SwiGLU(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, hidden_features={self.hidden_features}, "
                 f"out_features={self.out_features}, bias={self.w12.bias is not None}, "
-                f"activation={self.activation}" + ("" if self.saved_x12 is None else f", saved_x12={self.saved_x12!r}"))
+                f"activation={self.activation}" + ("" if self.saved_x12 is None else f", saved_x12={self.saved_x12!r}")
+                + ("" if self.tile_rows is None else f", tile_rows={self.tile_rows!r}"))
 
 
 def _interleave(halves: list[torch.Tensor]) -> torch.Tensor:

@@ -51,10 +51,12 @@ def _params(lin: nn.Module):
     return _registered(lin, "_parameters", "weight"), _registered(lin, "_parameters", "bias")
 
 
-def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None):
+def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None,
+               tile_rows=None):
     """The whole MLP in the fused op, the weights used in place (views)."""
     wd, bd = _params(mods[plan.down])
-    modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12)
+    modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12,
+                 tile_rows=tile_rows)
     if plan.packed is None:
         (wg, bg), (wu, bu) = _params(mods[plan.gate]), _params(mods[plan.up])
         return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation, **modes)
@@ -87,17 +89,17 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
 
 
 def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_up: bool = False,
-             inplace_backward: bool = False, fused: bool = True, saved_x12=None) -> torch.Tensor:
+             inplace_backward: bool = False, fused: bool = True, saved_x12=None, tile_rows=None) -> torch.Tensor:
     """``module``'s GLU feed-forward as ``plan`` says: the whole MLP fused when
     the projections are plain ``nn.Linear`` and nothing runs between the
     product and ``down``; else the children run as themselves and only
     ``act(gate) * up`` is fused. ``fused=False``: plain torch ops
     (:func:`~swiglu_cupy.glu_reference`), what the probe compares with.
-    ``saved_x12`` reaches the whole-MLP op (the activation-only fusion saves
-    gate and up, as their modules gave them)."""
+    ``saved_x12`` and ``tile_rows`` reach the whole-MLP op (the activation-only
+    fusion saves gate and up, as their modules gave them, and is not tiled)."""
     mods = module._modules  # decoding calls this once per token: no nn.Module.__getattr__
     if fused and fusion_of(module, plan) == "mlp":
-        out = _whole_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12)
+        out = _whole_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
     else:
         if plan.packed is not None:
             gate, up = _split(mods[plan.packed](x), plan.order)

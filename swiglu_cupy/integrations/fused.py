@@ -35,7 +35,9 @@ class FusedGLUMLP(nn.Module):
     - ``recompute_gate_up``, ``inplace_backward``: the memory modes of the fused
       op (see :class:`swiglu_cupy.SwiGLUFunction`), settable at any time;
     - ``saved_x12``: None, or ``"fp8"`` to save x12 in 8 bits when the whole
-      MLP runs fused (see :func:`swiglu_cupy.swiglu`).
+      MLP runs fused (see :func:`swiglu_cupy.swiglu`);
+    - ``tile_rows``: None, rows per tile or ``"auto"``: the whole fused MLP
+      runs long inputs in row tiles (see :func:`swiglu_cupy.swiglu`).
 
     Pickling (``torch.save(model)``), ``copy.deepcopy`` and ``model.to(...)``
     work; a pickle names the original class, so it loads wherever that class
@@ -47,6 +49,7 @@ class FusedGLUMLP(nn.Module):
     recompute_gate_up: bool = False
     inplace_backward: bool = False
     saved_x12: str | None = None
+    tile_rows: int | str | None = None
     _swiglu_base: type = nn.Module
 
     def __init__(self, *args, **kwargs) -> None:
@@ -61,7 +64,8 @@ class FusedGLUMLP(nn.Module):
         plan = self.swiglu_plan
         if plan is None or args or kwargs:
             return super().forward(x, *args, **kwargs)
-        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, saved_x12=self.saved_x12)
+        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, saved_x12=self.saved_x12,
+                        tile_rows=self.tile_rows)
 
     @property
     def swiglu_activation(self) -> GLUActivation | None:

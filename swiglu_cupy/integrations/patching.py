@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from .._torch_compat import global_module_hooks_active
-from .._validation import check_flags, check_saved_x12
+from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
 from .forward import _is_noop, linear_obstacle
 from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
@@ -146,7 +146,7 @@ FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
 
 
 def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
-         inplace_backward: bool = False, saved_x12=None) -> PatchReport:
+         inplace_backward: bool = False, saved_x12=None, tile_rows=None) -> PatchReport:
     """The one walk over ``model`` (itself included): each module is looked at
     once, outermost first; a module that is handled (fused, skipped with a
     reason, or left out by ``families``) is not searched inside."""
@@ -154,6 +154,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(verify=verify, recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
     check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
+    check_tile_rows(tile_rows)
     unknown = set(families) - FAMILIES
     if unknown:
         raise ValueError(f"families must be a subset of {sorted(FAMILIES)}, got {sorted(unknown)}")
@@ -211,7 +212,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             continue
         if verify and on_meta(module):
             install_pending(module, cands, recompute_gate_up, inplace_backward, family)
-            module.saved_x12 = saved_x12
+            module.saved_x12, module.tile_rows = saved_x12, tile_rows
             _record_pending(report, path, module)
             continue
         plan, reason = choose_plan(module, cands, verify, (recompute_gate_up, inplace_backward))
@@ -221,7 +222,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 done.pop()  # shaped like one by accident (a Sequential of blocks?): look inside
             continue
         install(module, plan, recompute_gate_up, inplace_backward, family)
-        module.saved_x12 = saved_x12
+        module.saved_x12, module.tile_rows = saved_x12, tile_rows
         _record(report, path, module)
     if "experts" in families:
         report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12)
@@ -229,7 +230,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
 
 
 def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recompute_gate_up: bool = False,
-          inplace_backward: bool = False, saved_x12=None) -> PatchReport:
+          inplace_backward: bool = False, saved_x12=None, tile_rows=None) -> PatchReport:
     """Fuse every GLU feed-forward in ``model`` (the model itself included), in
     place, and return a :class:`PatchReport`.
 
@@ -251,11 +252,13 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     reported again as such. ``recompute_gate_up``/``inplace_backward`` select
     the memory modes; ``saved_x12="fp8"`` saves x12 in 8 bits in the fused
     MLPs (whole-MLP fusion) and Hugging Face experts (torchtitan's experts
-    and xformers' modules keep theirs). ``strict=True`` raises ``ValueError`` if nothing is fused.
+    and xformers' modules keep theirs). ``tile_rows`` (an int or ``"auto"``) runs the
+    whole-MLP fused modules and the Hugging Face experts in row tiles for long inputs
+    (see :func:`swiglu_cupy.swiglu`). ``strict=True`` raises ``ValueError`` if nothing is fused.
     """
     check_flags(strict=strict)
     report = walk(model, FAMILIES, verify=verify, recompute_gate_up=recompute_gate_up,
-                  inplace_backward=inplace_backward, saved_x12=saved_x12)
+                  inplace_backward=inplace_backward, saved_x12=saved_x12, tile_rows=tile_rows)
     if strict and not len(report):
         detail = "".join(f"\n  {p or '<model>'}: {r}" for p, r in list(report.skipped.items())[:8])
         raise ValueError(f"patch(strict=True): nothing fused in {type(model).__name__}: no GLU feed-forward "
