@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
 from conftest import UNIT_ROUNDOFF, assert_compiled_matches_eager, assert_nontrivial
-from swiglu_cupy.dense import tiles
+from swiglu_cupy import _tiling as tiles
 from swiglu_cupy.tools.live_bytes import LiveBytes
 
 D, H, O = 24, 40, 16

@@ -15,10 +15,10 @@ import torch
 
 from .. import _validation as check
 from .._autograd import graph_needed, under_autocast
+from .._tiling import resolve_tile_rows
 from .._validation import Role
 from ..activations import resolve_activation
 from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass
-from .tiles import resolve_tile_rows
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
 

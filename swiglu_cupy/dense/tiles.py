@@ -26,36 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from .._tiling import HALF_DTYPES as _HALF, tile_slices
 from .._torch_compat import is_transformed
 from ..primitives import route
 from ..primitives.saved_x12 import saved_row_bytes
 from . import gemm as _gemm
 
-__all__ = ["AUTO_TILE_BYTES", "TILE_ROW_MULTIPLE", "resolve_tile_rows", "tiled_forward", "tiled_backward"]
-
-#: ``tile_rows="auto"``: the largest tile whose x12 workspace fits in this many bytes...
-AUTO_TILE_BYTES = 256 << 20
-#: ...in a multiple of this many rows (whole GEMM blocks), and at least this many.
-TILE_ROW_MULTIPLE = 256
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def resolve_tile_rows(tile_rows, rows: int, hidden: int, dtype: torch.dtype) -> int:
-    """Rows per tile for one call (``tile_rows`` checked by ``_validation.check_tile_rows``):
-    0 when untiled (None), or when every row fits in one tile, which takes the untiled
-    path unchanged."""
-    if tile_rows is None:
-        return 0
-    if tile_rows == "auto":
-        per_row = 2 * max(hidden, 1) * dtype.itemsize
-        tile_rows = max(TILE_ROW_MULTIPLE, AUTO_TILE_BYTES // per_row // TILE_ROW_MULTIPLE * TILE_ROW_MULTIPLE)
-    return 0 if rows <= tile_rows else tile_rows
-
-
-def _tiles(rows: int, tile: int):
-    return (slice(start, min(start + tile, rows)) for start in range(0, rows, tile))
-
+__all__ = ["tiled_forward", "tiled_backward"]
 
 def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference: bool,
                   is_functional: bool, saved_x12_fp8: bool, out_shape=None):
@@ -70,7 +47,7 @@ def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference:
     if fp8 and not is_functional:
         saved = torch.empty((M, saved_row_bytes(H, activation.interleaved)), dtype=torch.uint8, device=x2d.device)
     y_parts, saved_parts = [], []
-    for rows in _tiles(M, tile):
+    for rows in tile_slices(M, tile):
         x12 = _gemm.gate_up(x2d[rows], w1, b1, w2, b2, is_functional)
         if fp8:
             h, saved_tile = route.forward_fp8(x12, activation)
@@ -107,7 +84,7 @@ def tiled_backward(dy2d, x2d, w1, b1, w2, b2, w3, saved, activation, tile: int, 
         dx = torch.empty(x_shape, dtype=x2d.dtype, device=x2d.device)
     dx_rows = None if dx is None else dx.view(-1, x2d.shape[1])
     dx_parts, dw12, db12, dw3 = [], None, None, None
-    for rows in _tiles(M, tile):
+    for rows in tile_slices(M, tile):
         x_t, dy_t = x2d[rows], dy2d[rows]
         dh = torch.mm(dy_t, w3)
         if saved.numel():

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._validation import check_flags, check_saved_x12
+from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..activations import GPT_OSS, GLUActivation
 from .._validation import check_expert_ids
 from ..moe.routing import route_and_combine
@@ -66,6 +66,7 @@ class ExpertsPlan:
     fallback: str = "grouped_mm"   # the implementation an unfused module keeps
     reason: str = ""
     saved_x12: str | None = None   # "fp8": x12 saved in 8 bits (see swiglu_cupy.swiglu)
+    tile_rows: int | str | None = None   # tokens per tile, or "auto" (see swiglu_cupy.moe.routed_experts)
 
 
 # ---- transformers hooks (imported lazily: 3 s) ---------------------------------------------
@@ -176,7 +177,7 @@ def _gate_matches(module, spec: GLUActivation, two_i: int) -> bool:
     return rows_agree(glu_reference(*split_gate_up(x12, spec), spec), got, torch.float64)
 
 
-def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None) -> ExpertsPlan:
+def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None, tile_rows=None) -> ExpertsPlan:
     cls = type(module).__name__
     unfused = lambda reason: ExpertsPlan(None, fallback=fallback, reason=f"{cls}: {reason}")  # noqa: E731
     if not getattr(module, "has_gate", True):
@@ -200,7 +201,7 @@ def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None) -> 
                        f"{'transposed' if transposed else 'standard'} layout")
     if not _gate_matches(module, spec, two_i):
         return unfused(f"its _apply_gate does not compute {spec} on a probe")
-    return ExpertsPlan(spec, transposed, recompute_gate_up, fallback, saved_x12=saved_x12)
+    return ExpertsPlan(spec, transposed, recompute_gate_up, fallback, saved_x12=saved_x12, tile_rows=tile_rows)
 
 
 _WARNED: set = set()
@@ -251,22 +252,25 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         x = x.to(w12.dtype)  # e.g. an fp32 norm output into bf16 experts, as transformers does
     post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
     out = route_and_combine(x, top_k_index, top_k_weights, w12, b12, w3, b3, plan.activation, plan.transposed,
-                            plan.recompute_gate_up, sentinels, post, saved_x12_fp8=plan.saved_x12 == "fp8")
+                            plan.recompute_gate_up, sentinels, post, saved_x12_fp8=plan.saved_x12 == "fp8",
+                            tile_rows=plan.tile_rows)
     return out.to(hidden_states.dtype)
 
 
-def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x12=None) -> int:
+def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x12=None, tile_rows=None) -> int:
     """Switch every ``@use_experts_implementation`` experts module of
     ``model`` to the fused op; returns how many run fused. Modules whose gate
     cannot be fused exactly stay on the implementation they had (one warning
     per class). ``recompute_gate_up`` saves only the token inputs (each once) for
     backward (x12 is recomputed: one grouped GEMM more); ``saved_x12="fp8"``
-    saves x12 in 8 bits (see ``swiglu_cupy.swiglu``). Call it before
-    torch.compile."""
+    saves x12 in 8 bits (see ``swiglu_cupy.swiglu``); ``tile_rows`` (an int or
+    ``"auto"``) runs long inputs a tile of tokens at a time (see
+    ``swiglu_cupy.moe.routed_experts``). Call it before torch.compile."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(recompute_gate_up=recompute_gate_up)
     check_saved_x12(saved_x12, recompute_gate_up)
+    check_tile_rows(tile_rows)
     if not register():
         return 0
     fused = 0
@@ -280,7 +284,7 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x1
             fallback = previous.fallback if previous is not None else "grouped_mm"
         else:
             fallback = current if current is not None else "grouped_mm"
-        plan = _resolve(module, recompute_gate_up, fallback, saved_x12)
+        plan = _resolve(module, recompute_gate_up, fallback, saved_x12, tile_rows)
         _store(module, plan)
         config._experts_implementation = NAME
         fused += plan.activation is not None

@@ -127,14 +127,15 @@ def _record_pending(report: PatchReport, path: str, module: nn.Module) -> None:
                             "at its first forward on real weights (or at patch() again)")
 
 
-def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x12=None) -> int:
+def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x12=None, tile_rows=None) -> int:
     """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
     experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
     if "transformers.integrations.moe" not in sys.modules:
         return 0  # no experts class was ever defined in this process: none can be in the model
     from . import hf_experts
 
-    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12)
+    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12,
+                                    tile_rows=tile_rows)
 
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
@@ -191,7 +192,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             done.append(path)
             if "torchtitan" in families:
                 report.classes[path] = torchtitan_base(module).__name__
-                note = patch_torchtitan_class(module, recompute_gate_up)
+                note = patch_torchtitan_class(module, recompute_gate_up, tile_rows)
                 if note is not None:
                     report.fused[path] = note
                 else:  # patch_torchtitan_class refuses exactly when there is a reason
@@ -225,7 +226,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
         module.saved_x12, module.tile_rows = saved_x12, tile_rows
         _record(report, path, module)
     if "experts" in families:
-        report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12)
+        report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12, tile_rows)
     return report
 
 

@@ -56,6 +56,7 @@ import sys
 import torch
 from torch import nn
 
+from .._validation import check_tile_rows
 from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts
@@ -136,7 +137,8 @@ def _experts_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Te
         w12 = torch.cat([_local(self.w1_EFD).bfloat16(), _local(self.w3_EFD).bfloat16()], dim=1)
         activation = _SILU
     y = grouped_experts(x_RD.bfloat16(), offsets_E, w12, w2_EDF, activation=activation,
-                        recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False))
+                        recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False),
+                        tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
     return y.type_as(x_RD)
 
 
@@ -148,7 +150,8 @@ def _feed_forward_forward(self, x: torch.Tensor) -> torch.Tensor:
     noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
     if all(_plain_linear(m, noop.get(n)) for n, m in (("w1", w1), ("w2", w2), ("w3", w3))):
         return swiglu_unpacked(x, w1.weight, w1.bias, w3.weight, w3.bias, w2.weight, w2.bias,
-                               recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False))
+                               recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False),
+                               tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
     return w2(glu_mul(w1(x), w3(x)))
 
 
@@ -163,7 +166,7 @@ def _fused_swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
     if not _is_dtensor(w13) and _plain_linear(w2, noop.get("w2")):
         return swiglu(x, w13.reshape(2 * F, D), None, w2.weight, w2.bias, activation=_SILU_INTERLEAVED,
-                      recompute_gate_up=recompute)
+                      recompute_gate_up=recompute, tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
     gate, up = nn.functional.linear(x, w13.flatten(0, 1)).unflatten(-1, (F, 2)).unbind(-1)
     return w2(glu_mul(gate, up))
 
@@ -183,12 +186,14 @@ def _make_fused_class(base: type, forward) -> type:
     base_config = base.Config
     config_cls = dataclasses.dataclass(kw_only=True, slots=True)(
         type("Config", (base_config,), {"__module__": __name__, "__qualname__": f"{name}.Config",
-                                        "__annotations__": {"recompute_gate_up": bool},
-                                        "recompute_gate_up": False}))
+                                        "__annotations__": {"recompute_gate_up": bool,
+                                                            "tile_rows": int | str | None},
+                                        "recompute_gate_up": False, "tile_rows": None}))
 
     def __init__(self, config):
         base.__init__(self, config)
         self._swiglu_cupy_recompute_gate_up = bool(getattr(config, "recompute_gate_up", False))
+        self._swiglu_cupy_tile_rows = getattr(config, "tile_rows", None)
 
     fused = type(name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
                                  "__init__": __init__, "forward": forward, "_swiglu_cupy_base": base,
@@ -319,7 +324,7 @@ def torchtitan_skip_reason(module: nn.Module) -> str | None:
     return None
 
 
-def patch_torchtitan_class(module: nn.Module, recompute_gate_up: bool = False) -> str | None:
+def patch_torchtitan_class(module: nn.Module, recompute_gate_up: bool = False, tile_rows=None) -> str | None:
     """Switch a torchtitan ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
     fused ``w13`` override) or ``FusedSwiGLU`` in place so its forward runs
     :func:`swiglu_cupy.moe.grouped_experts` (experts) or
@@ -330,16 +335,20 @@ def patch_torchtitan_class(module: nn.Module, recompute_gate_up: bool = False) -
     Decided from the class, so it works on the meta device (no probe: the
     class's forward is torchtitan's own, reproduced exactly). The instance
     keeps its class as a base (``isinstance`` and torchtitan's ``Module``
-    protocol hold) and its parameters (state_dict keys unchanged)."""
+    protocol hold) and its parameters (state_dict keys unchanged). ``tile_rows``: see
+    :func:`swiglu_cupy.swiglu` (rows of the grouped experts per tile)."""
     if not isinstance(recompute_gate_up, bool):
         raise TypeError(f"recompute_gate_up must be a bool, got {type(recompute_gate_up).__name__}")
+    check_tile_rows(tile_rows)
     base = _switchable_class_of(module)
     if base is None or torchtitan_skip_reason(module) is not None:
         return None
     already = type(module) is not base
     module.__class__ = fused_torchtitan_class(base)
     module._swiglu_cupy_recompute_gate_up = recompute_gate_up
-    tail = (", recompute_gate_up" if recompute_gate_up else "") + (" (already fused)" if already else "")
+    module._swiglu_cupy_tile_rows = tile_rows
+    tail = ((", recompute_gate_up" if recompute_gate_up else "") + ("" if tile_rows is None else f", tile_rows={tile_rows}")
+            + (" (already fused)" if already else ""))
     if base is _fused_swiglu_base():
         return "swiglu_cupy.swiglu, w13 [F, 2, D] as interleaved w12 (a view)" + tail
     packed = "w13" in module._parameters
@@ -370,6 +379,8 @@ def _build_converter_class() -> type:
         class Config(ModelConfigConverter.Config):
             recompute_gate_up: bool = False
             """Save only each FFN's input and recompute the gate/up GEMM in backward."""
+            tile_rows: int | str | None = None
+            """Run long inputs in tiles of this many rows (or "auto"): see swiglu_cupy.swiglu."""
 
         def __init__(self, config: Config, **kwargs):
             self.config = config
@@ -389,7 +400,8 @@ def _build_converter_class() -> type:
                     continue
                 fused = fused_torchtitan_class(owner)
                 new = fused.Config(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init},
-                                   recompute_gate_up=self.config.recompute_gate_up)
+                                   recompute_gate_up=self.config.recompute_gate_up,
+                                   tile_rows=self.config.tile_rows)
                 self.converted.append(fqn)
                 if parent is None:
                     root = new

@@ -68,6 +68,7 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
+from .._tiling import HALF_DTYPES, resolve_tile_rows, tile_slices
 from ..activations import GLUActivation, resolve_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
@@ -348,6 +349,88 @@ def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed,
                           perm, top_k, combine_dtype, fp8)
 
 
+# ---- row tiles (tile_rows=): the same bodies a tile at a time -------------------------------
+
+def _tile_parts(n: int, tile: int, top_k: int, tokens: bool):
+    """(tile index, its slice of ``x``'s first dim, its slice of the routed rows
+    and slots): on the tokens path a tile of tokens owns exactly their K slots."""
+    for i, items in enumerate(tile_slices(n, tile)):
+        yield i, items, (slice(items.start * top_k, items.stop * top_k) if tokens else items)
+
+
+def rows_tile_offsets(offsets: torch.Tensor, rows: int, tile: int) -> torch.Tensor:
+    """[n_tiles, E]: each row tile's own cumulative group ends (rows already grouped
+    by expert: a tile's groups are the global ones clipped to it)."""
+    return torch.stack([offsets.clamp(part.start, part.stop) - part.start for part in tile_slices(rows, tile)])
+
+
+def _tiled_forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype,
+                   fp8, tile):
+    """The forward a tile at a time: ``offsets`` [n_tiles, E] and ``perm`` (tokens
+    path) tile-local. Returns (y, the 8-bit x12 of every row with ``fp8``, else an
+    empty [rows, 0]: nothing of x12 is kept)."""
+    tokens = perm is not None
+    functional = torch.compiler.is_compiling()
+    y = saved = None
+    y_parts, saved_parts = [], []
+    rows_total = perm.shape[0] if tokens else x.shape[0]
+    for i, items, rows in _tile_parts(x.shape[0], tile, top_k, tokens):
+        y_t, x12_t = _forward(x[items], offsets[i], w12, b12, w3, b3, None if rw is None else rw[rows], activation,
+                              transposed, tail, perm[rows] if tokens else None, top_k, combine_dtype, fp8)
+        out_rows = items if combine_dtype is not None else rows
+        if functional:
+            y_parts.append(y_t)
+            if fp8:
+                saved_parts.append(x12_t)
+        else:
+            if y is None:
+                y = y_t.new_empty((x.shape[0] if combine_dtype is not None else rows_total, y_t.shape[1]))
+            y[out_rows].copy_(y_t)
+            if fp8:
+                if saved is None:
+                    saved = x12_t.new_empty((rows_total, x12_t.shape[1]))
+                saved[rows].copy_(x12_t)
+        del y_t, x12_t  # freed before the next tile's workspace is made
+    if functional:
+        y = torch.cat(y_parts)
+        saved = torch.cat(saved_parts) if fp8 else None
+    return y, (saved if saved is not None else x.new_empty((rows_total, 0)))
+
+
+def _tiled_backward(dy, x, saved, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,
+                    combine_dtype, fp8, tile, grads_fp32):
+    """The backward a tile at a time (x12 recomputed per tile, or read from the 8-bit
+    rows); the weight and bias gradients of the tiles are summed, in float32 for 16-bit
+    weights with ``grads_fp32``, and rounded once at the end."""
+    need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
+    tokens = perm is not None
+    functional = torch.compiler.is_compiling()
+    acc_dtype = torch.float32 if grads_fp32 and w12.dtype in HALF_DTYPES else None
+    dx = x.new_empty(x.shape) if need_x and not functional else None
+    drw = rw.new_empty(rw.shape) if need_rw and not functional else None
+    dx_parts, drw_parts, sums = [], [], [None] * 4    # dw12, db12, dw3, db3
+    for i, items, rows in _tile_parts(x.shape[0], tile, top_k, tokens):
+        dy_t = dy[items] if combine_dtype is not None or not tokens else dy[rows]
+        dx_t, dw12_t, db12_t, dw3_t, db3_t, drw_t = _backward(
+            dy_t, x[items], saved[rows] if fp8 else None, offsets[i], w12, b12, w3, b3,
+            None if rw is None else rw[rows], activation, transposed, tail, needs,
+            perm[rows] if tokens else None, top_k, combine_dtype, fp8)
+        for j, part in enumerate((dw12_t, db12_t, dw3_t, db3_t)):
+            if part is not None:
+                part = part if acc_dtype is None else part.to(acc_dtype)
+                sums[j] = part if sums[j] is None else (sums[j] + part if functional else sums[j].add_(part))
+        if need_x:
+            dx_parts.append(dx_t) if functional else dx[items].copy_(dx_t)
+        if need_rw:
+            drw_parts.append(drw_t) if functional else drw[rows].copy_(drw_t)
+        del dx_t, drw_t, dw12_t, dw3_t
+    if functional:
+        dx = torch.cat(dx_parts) if need_x else None
+        drw = torch.cat(drw_parts) if need_rw else None
+    dw12, db12, dw3, db3 = (None if g is None else g.to(w12.dtype) for g in sums)
+    return dx, dw12, db12, dw3, db3, drw
+
+
 # ---- the Function --------------------------------------------------------------------------
 
 class MoEExpertsFunction(LeanApplyFunction):
@@ -355,7 +438,7 @@ class MoEExpertsFunction(LeanApplyFunction):
 
     ``apply(x, offsets, w12, b12, w3, b3, routing_weights, activation,
     transposed, recompute_gate_up, tail, perm, top_k, combine_dtype,
-    saved_x12_fp8) -> (y, x12)``, all positional: the arguments were validated by the caller
+    saved_x12_fp8, tile, tile_grads_fp32) -> (y, x12)``, all positional: the arguments were validated by the caller
     (``grouped_experts`` / ``routed_experts`` / the Hugging Face experts
     function). ``perm`` None: ``x`` holds the grouped rows [S, D] and
     ``routing_weights`` is [S]. Else ``x`` holds T tokens [T, D],
@@ -366,54 +449,74 @@ class MoEExpertsFunction(LeanApplyFunction):
     grad: x, offsets, perm, the weights, the routing weights and x12 (not x12
     with ``recompute_gate_up``; the 8-bit saved x12 with ``saved_x12_fp8``).
     ``x12`` is returned only so that it can be saved; it is non-differentiable.
+    ``tile`` > 0: the forward and backward run ``tile`` rows (tokens, on the
+    tokens path) at a time, ``offsets`` is [n_tiles, E] and ``perm`` tile-local
+    (``rows_tile_offsets``, ``routing.sort_by_expert_in_tiles``); nothing of
+    x12 is saved (the tiles' 8-bit x12 with ``saved_x12_fp8``), and the tiles'
+    weight gradients sum in float32 for 16-bit weights (``tile_grads_fp32``).
     """
 
     @staticmethod
     def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail,
-                perm, top_k, combine_dtype, saved_x12_fp8):
+                perm, top_k, combine_dtype, saved_x12_fp8, tile, tile_grads_fp32):
+        if tile:
+            return _tiled_forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
+                                  top_k, combine_dtype, saved_x12_fp8, tile)
         return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm, top_k,
                         combine_dtype, saved_x12_fp8)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail, perm, top_k, \
-            combine_dtype, saved_x12_fp8 = inputs
+            combine_dtype, saved_x12_fp8, tile, tile_grads_fp32 = inputs
         mark_saved_only(ctx, output[1])
-        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, None if recompute_gate_up else output[1])
+        keep_x12 = not recompute_gate_up and (saved_x12_fp8 or not tile)
+        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, output[1] if keep_x12 else None)
         ctx.modes = (activation, transposed, tail)
         ctx.tokens = (top_k, combine_dtype, saved_x12_fp8)
+        ctx.tile = (tile, tile_grads_fp32)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 15
+            return (None,) * 17
         x, offsets, w12, b12, w3, b3, rw, perm, x12 = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
         needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
                  need_rw and rw is not None)
-        dx, dw12, db12, dw3, db3, drw = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs,
-                                                  perm, *ctx.tokens)
-        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 8
+        if ctx.tile[0]:
+            grads = _tiled_backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs, perm, *ctx.tokens,
+                                    *ctx.tile)
+        else:
+            grads = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs, perm, *ctx.tokens)
+        dx, dw12, db12, dw3, db3, drw = grads
+        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 10
 
 
 def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
                 recompute_gate_up: bool, tail: bool, perm: torch.Tensor | None = None, top_k: int = 1,
-                combine_dtype: torch.dtype | None = None, saved_x12_fp8: bool = False) -> torch.Tensor:
+                combine_dtype: torch.dtype | None = None, saved_x12_fp8: bool = False, tile: int = 0,
+                tile_grads_fp32: bool = True) -> torch.Tensor:
     """The Function on arguments valid by construction (no checks): the one
     place it is applied (``perm``, ``top_k``, ``combine_dtype``: the tokens
     way in, see ``MoEExpertsFunction``). Under autocast, x and the weights
     are cast to the autocast dtype (as nn.Linear does); under no_grad the
     forward runs without the Function (no graph, nothing to save).
     ``saved_x12_fp8``: see ``grouped_experts``'s ``saved_x12`` (checked by
-    the caller)."""
+    the caller). ``tile``: rows (tokens) per tile, with ``offsets`` and ``perm``
+    prepared for it (see ``MoEExpertsFunction``), or 0."""
     def run(tensors):
         x, w12, b12, w3, b3 = tensors
         if graph_needed(x, w12, w3):
             if saved_x12_fp8:
                 check.check_fp8_compute_dtype(x.dtype)
             return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
-                                            recompute_gate_up, tail, perm, top_k, combine_dtype, saved_x12_fp8)[0]
+                                            recompute_gate_up, tail, perm, top_k, combine_dtype, saved_x12_fp8,
+                                            tile, tile_grads_fp32)[0]
+        if tile:
+            return _tiled_forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
+                                  top_k, combine_dtype, False, tile)[0]
         return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
                              top_k, combine_dtype)[0]
     return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
@@ -424,7 +527,8 @@ def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUAc
 def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, w3: torch.Tensor,
                     b12: torch.Tensor | None = None, b3: torch.Tensor | None = None, *,
                     routing_weights: torch.Tensor | None = None, activation="silu", transposed: bool = False,
-                    recompute_gate_up: bool = False, saved_x12=None) -> torch.Tensor:
+                    recompute_gate_up: bool = False, saved_x12=None, tile_rows=None,
+                    tile_grads_fp32: bool = True) -> torch.Tensor:
     """The experts GLU feed-forward over rows already grouped by expert: ``y [S, D]``.
 
     ``offsets`` are int32 cumulative group ends (``offsets[-1] == S``; empty
@@ -437,18 +541,35 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
     inputs this entry sees; ``routed_experts`` saves each token's input once
     instead of K rows) and x12 [S, 2I], plus offsets and routing weights.
     ``saved_x12="fp8"`` saves x12 in 8 bits (as ``swiglu``'s; not with
-    ``recompute_gate_up``). Layouts: the module docstring.
+    ``recompute_gate_up``). ``tile_rows`` (an int or ``"auto"``: a 256 MiB x12 workspace)
+    runs the rows a tile at a time, forward and backward, saving nothing of x12 (or
+    the 8-bit x12 with ``saved_x12="fp8"``); ``tile_grads_fp32`` as ``swiglu``'s.
+    Layouts: the module docstring.
     """
     check.reject_jit()
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
         shape = tuple(x_sorted.shape) if isinstance(x_sorted, torch.Tensor) else type(x_sorted).__name__
         raise ValueError(f"x_sorted must be a 2-D tensor [S, D], got {shape}")
     E, _ = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
-    check.check_flags(recompute_gate_up=recompute_gate_up)
+    check.check_flags(recompute_gate_up=recompute_gate_up, tile_grads_fp32=tile_grads_fp32)
+    check.check_tile_rows(tile_rows)
     fp8 = check.check_saved_x12(saved_x12, recompute_gate_up)
     spec = resolve_activation(activation)
     S = x_sorted.shape[0]
     check.check_offsets(offsets, E, S, x_sorted.device)
     check.check_routing_weights("routing_weights", routing_weights, (S,), x_sorted)
+    tile = resolve_tile_rows(tile_rows, S, expert_width(w12, transposed), compute_dtype(x_sorted))
+    if tile:
+        offsets = rows_tile_offsets(offsets, S, tile)
     return run_experts(x_sorted, offsets, w12, b12, w3, b3, routing_weights, spec, transposed,
-                       recompute_gate_up, False, saved_x12_fp8=fp8)
+                       recompute_gate_up, False, saved_x12_fp8=fp8, tile=tile, tile_grads_fp32=tile_grads_fp32)
+
+
+def expert_width(w12: torch.Tensor, transposed: bool) -> int:
+    """I: each expert's hidden width."""
+    return (w12.shape[2] if transposed else w12.shape[1]) // 2
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in: autocast's where it is on (as nn.Linear)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
