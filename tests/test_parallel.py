@@ -149,7 +149,8 @@ def _case_tp(rank, world):
     x, dy = block_data()
     res = {}
     for label, kwargs in (("bias", {}), ("no_bias", {"bias": False}),
-                          ("recompute", {"recompute_gate_up": True}), ("gpt_oss", {"activation": GPT_OSS_TIGHT})):
+                          ("recompute", {"recompute_gate_up": True}), ("gpt_oss", {"activation": GPT_OSS_TIGHT}),
+                          ("tiled", {"tile_rows": 3})):
         block = parallelize_module(build_block(**kwargs), mesh, SwiGLUTensorParallel())
         r = _run_tp_block(block, x, dy)
         if label == "gpt_oss":  # interleaved rows: this rank's whole gate/up pairs
@@ -425,6 +426,7 @@ def check_tp_results(results, world):
         close(r["no_grad_out"], ref["out"], "no-grad output")
         assert_block_matches(res["no_bias"], reference(bias=False))
         assert_block_matches(res["recompute"], reference(recompute_gate_up=True))
+        assert_block_matches(res["tiled"], ref)   # row tiles on each rank's shards: the untiled block's results
         # GPT-OSS's interleaved, clamped variant: sharded by whole pairs (a plain row shard)
         oai, oai_ref = res["gpt_oss"], reference(activation=GPT_OSS_TIGHT)
         assert_block_matches(oai, oai_ref)
@@ -480,8 +482,8 @@ def test_old_torch_gets_a_clear_error():
 @needs_min_torch
 def test_tensor_parallel_matches_one_process(tp_results):
     """TP=2, replicated input: output, dx and every parameter grad (full,
-    canonical layout) with and without biases, with recompute_gate_up, and
-    inside a plan dict; the local shards; full_tensor() of each parameter."""
+    canonical layout) with and without biases, with recompute_gate_up, in row
+    tiles, and inside a plan dict; the local shards; full_tensor() of each parameter."""
     check_tp_results(tp_results, TP)
 
 

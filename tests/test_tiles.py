@@ -388,3 +388,24 @@ def test_fsdp2_with_tiles_matches_the_untiled_single_process_run(tmp_path, monke
     ref = td.reference_run()
     for result in td.launch("test_tiles:_case_fsdp2_tiled", tmp_path, monkeypatch):
         td.assert_matches(result, ref)
+
+
+# ---- against DeepSpeed's TiledMLP (the generic tiled wrapper) --------------------------------
+
+def test_tiles_peak_at_most_deepspeed_tiled_mlp_with_as_many_tiles():
+    """The real TiledMLP (deepspeed, the `test` extra) around the same MLP's eager
+    forward, the same number of tiles: same results, and our peak is not above its."""
+    pytest.importorskip("deepspeed.runtime.sequence_parallel.ulysses_sp")
+    from swiglu_cupy.tools.bench.long_context import _calls, measure_memory
+
+    rows, tile = 2048, 256
+    torch.manual_seed(0)
+    module = sc.SwiGLU(D, H)
+    x, dy = torch.randn(rows, D, requires_grad=True), torch.randn(rows, D)
+    calls = _calls(module, tile, rows)
+    assert not isinstance(calls["deepspeed_tiled_mlp"], str), calls["deepspeed_tiled_mlp"]
+    ours, theirs = (measure_memory(module, x, dy, calls[n]) for n in ("tiled", "deepspeed_tiled_mlp"))
+    torch.testing.assert_close(ours["y"], theirs["y"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours["dx"], theirs["dx"], rtol=1e-5, atol=1e-6)
+    assert ours["peak_bytes"] <= theirs["peak_bytes"]
+    assert ours["largest_bytes"] <= tile * 2 * H * 4

@@ -30,16 +30,18 @@ def linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.addmm(bias, inp, weight.t(), out=out)
 
 
-def gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, is_functional: bool) -> torch.Tensor:
-    """x12 = [gate | up] as one [M, 2H] tensor. Packed weights (``w2 is None``:
-    ``w1`` is w12) take one GEMM; separate ones write their halves of one
-    buffer, so no weight is ever concatenated."""
+def gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, is_functional: bool,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """x12 = [gate | up] as one [M, 2H] tensor (into ``out`` when given, outside
+    tracing). Packed weights (``w2 is None``: ``w1`` is w12) take one GEMM;
+    separate ones write their halves of one buffer, so no weight is ever
+    concatenated."""
     if w2 is None:
-        return linear_2d(x2d, w1, b1)
+        return linear_2d(x2d, w1, b1, out=None if is_functional else out)
     if is_functional:
         return torch.cat([linear_2d(x2d, w1, b1), linear_2d(x2d, w2, b2)], dim=1)
     H = w1.shape[0]
-    x12 = torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
+    x12 = out if out is not None else torch.empty((x2d.shape[0], 2 * H), dtype=x2d.dtype, device=x2d.device)
     linear_2d(x2d, w1, b1, out=x12[:, :H])
     linear_2d(x2d, w2, b2, out=x12[:, H:])
     return x12

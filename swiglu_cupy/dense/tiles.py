@@ -34,6 +34,17 @@ from . import gemm as _gemm
 
 __all__ = ["tiled_forward", "tiled_backward"]
 
+def _workspace(tile: int, width: int, like: torch.Tensor, is_functional: bool) -> torch.Tensor | None:
+    """One [tile, width] buffer for every tile of a call (None under tracing):
+    made once, not per tile (on the CPU a fresh large buffer costs its page faults)."""
+    return None if is_functional else torch.empty((tile, width), dtype=like.dtype, device=like.device)
+
+
+def _rows_of(workspace: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    """The first rows of the workspace, as many as the tile has (contiguous)."""
+    return None if workspace is None else workspace[:rows.stop - rows.start]
+
+
 def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference: bool,
                   is_functional: bool, saved_x12_fp8: bool, out_shape=None):
     """(y, saved): y [M, O] or in ``out_shape`` (allocated so, not a view);
@@ -47,8 +58,9 @@ def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference:
     if fp8 and not is_functional:
         saved = torch.empty((M, saved_row_bytes(H, activation.interleaved)), dtype=torch.uint8, device=x2d.device)
     y_parts, saved_parts = [], []
+    workspace = _workspace(tile, 2 * H, x2d, is_functional)
     for rows in tile_slices(M, tile):
-        x12 = _gemm.gate_up(x2d[rows], w1, b1, w2, b2, is_functional)
+        x12 = _gemm.gate_up(x2d[rows], w1, b1, w2, b2, is_functional, _rows_of(workspace, rows))
         if fp8:
             h, saved_tile = route.forward_fp8(x12, activation)
             if is_functional:
@@ -62,7 +74,7 @@ def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference:
             y_parts.append(_gemm.linear_2d(h, w3, b3))
         else:
             _gemm.linear_2d(h, w3, b3, out=y_rows[rows])
-        del x12, h  # freed before the next tile's workspace is made, not after
+        del x12, h  # views of the workspace (h: its gate half), reused by the next tile
     if is_functional:
         y = torch.cat(y_parts)
         y = y if out_shape is None else y.view(out_shape)
@@ -84,13 +96,16 @@ def tiled_backward(dy2d, x2d, w1, b1, w2, b2, w3, saved, activation, tile: int, 
         dx = torch.empty(x_shape, dtype=x2d.dtype, device=x2d.device)
     dx_rows = None if dx is None else dx.view(-1, x2d.shape[1])
     dx_parts, dw12, db12, dw3 = [], None, None, None
+    fp8 = saved.numel() > 0
+    x12_workspace = None if fp8 else _workspace(tile, 2 * H, x2d, functional)
+    dh_workspace = _workspace(tile, H, x2d, functional)
     for rows in tile_slices(M, tile):
         x_t, dy_t = x2d[rows], dy2d[rows]
-        dh = torch.mm(dy_t, w3)
-        if saved.numel():
+        dh = torch.mm(dy_t, w3) if dh_workspace is None else torch.mm(dy_t, w3, out=_rows_of(dh_workspace, rows))
+        if fp8:
             dx12, h = route.backward_fp8(saved[rows], dh, activation)
-        else:
-            x12 = _gemm.gate_up(x_t, w1, b1, w2, b2, functional)   # the recompute: one GEMM
+        else:  # the recompute (one GEMM), into the workspace; dx12 is written over it
+            x12 = _gemm.gate_up(x_t, w1, b1, w2, b2, functional, _rows_of(x12_workspace, rows))
             dx12, h = route.backward(x12, dh, not functional and not is_transformed(dh), activation)
             del x12
         if need_x:
@@ -103,7 +118,7 @@ def tiled_backward(dy2d, x2d, w1, b1, w2, b2, w3, saved, activation, tile: int, 
             db12 = part if db12 is None else (db12 + part if functional else db12.add_(part))
         if need_w3:
             dw3 = _gemm.accumulate_mm(dw3, dy_t.t(), h, acc_dtype, functional)
-        del dh, dx12, h  # freed before the next tile's workspace is made, not after
+        del dh, dx12, h  # h is the tile's own: freed before the next one is made
     if need_x and functional:
         dx = torch.cat(dx_parts).view(x_shape)
     dw12, db12, dw3 = (None if g is None else g.to(x2d.dtype) for g in (dw12, db12, dw3))

@@ -258,7 +258,8 @@ class _TensorParallelForward:
             b12 = torch.cat([b12[rows] for rows in self._tp_bias_rows])
         y = swiglu(x_local, self.w12.weight.to_local(), b12, self.w3.weight.to_local(), None,
                    activation=self.activation, recompute_gate_up=self.recompute_gate_up,
-                   inplace_backward=self.inplace_backward, saved_x12=self.saved_x12)
+                   inplace_backward=self.inplace_backward, saved_x12=self.saved_x12,
+                   tile_rows=self.tile_rows, tile_grads_fp32=self.tile_grads_fp32)
         y = DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, layout)
         b3 = self.w3.bias  # added once, to the reduced output
         if not self._tp_use_local_output:

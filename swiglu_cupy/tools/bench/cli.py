@@ -63,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(forward+backward time at E=8, top-2, D=256, I=512, 1024 tokens, fp32 and bf16 unless "
                         "--dtype says otherwise; bytes saved for backward per model family); writes moe.json and "
                         "moe.txt (needs transformers)")
+    p.add_argument("--long-context", action="store_true",
+                   help="instead of the comparison: peak memory (exact live bytes) and time of one MLP "
+                        "forward+backward against sequence length for the untiled op, recompute_gate_up, "
+                        "row tiles and DeepSpeed's TiledMLP (CPU: D=512, H=1408, fp32, 4096-32768 tokens, tiles "
+                        "of 4096; GPU: Llama-3-8B's MLP, bf16, 8k-128k tokens, tiles of 8192; --dim/--hidden, "
+                        "--tokens, --dtype and --tile-rows override); writes long_context.json, .txt and .png")
+    p.add_argument("--tile-rows", type=_positive_int, help="rows per tile for --long-context")
     p.add_argument("--out", default="bench-results",
                    help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt)")
 
@@ -123,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
     if args.moe:
         from .moe import run as run_moe
         return run_moe(args)
+    if args.long_context:
+        from .long_context import run as run_long_context
+        return run_long_context(args)
     try:
         shapes, settings = resolve(args)
     except (ValueError, RuntimeError) as exc:
