@@ -16,6 +16,11 @@
 #include "glu_activations.cuh"
 #include "fp8_e4m3.cuh"
 
+// 1 where the entry points below are stamped out (not float64: it refuses saved_x12="fp8").
+#ifndef SWIGLU_FP8_SAVED_X12
+#error "compile with -DSWIGLU_FP8_SAVED_X12=<0|1>"
+#endif
+
 #define SWIGLU_FP8_BLOCK 128
 #define SWIGLU_FP8_MAX 448.0f
 

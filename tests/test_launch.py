@@ -93,7 +93,8 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     assert launch[1:5] == ("swiglu_backward_scalar_p1", (1, 2, 1), (32, 8, 1), tuple(args))
     assert launch[5].ptr == 1234
     assert ("device", 1) in fake.calls
-    assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_SCALAR=float")) in fake.calls
+    assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_FP8_SAVED_X12=1",
+                       "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
 def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):

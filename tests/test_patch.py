@@ -571,3 +571,131 @@ def test_torchtitan_style_linear_subclass_is_plain():
     hooked = build(KeepsForward)
     hooked.w1.register_forward_hook(lambda m, i, o: None)
     assert "KeepsForward has hooks" in sc.patch(nn.Sequential(hooked)).partial["0"]
+
+
+# --- containers and blocks nested at random: every entry reaches what patch() reaches --------
+
+class Chain(nn.Module):
+    """A block applying its children (attributes, or the items of a container child) in order."""
+
+    def __init__(self, *layers):
+        super().__init__()
+        for i, layer in enumerate(layers):
+            setattr(self, f"layer{i}", layer)
+
+    def forward(self, x):
+        for layer in self.children():
+            x = _apply(layer, x)
+        return x
+
+
+class Fork(nn.Module):
+    """A residual block: x plus each branch's output on x."""
+
+    def __init__(self, *branches):
+        super().__init__()
+        self.branches = nn.ModuleList(branches)
+
+    def forward(self, x):
+        return x + sum(_apply(branch, x) for branch in self.branches)
+
+
+def _apply(layer, x):
+    if isinstance(layer, (nn.ModuleList, nn.ModuleDict)):
+        for item in (layer.values() if isinstance(layer, nn.ModuleDict) else layer):
+            x = _apply(item, x)
+        return x
+    return layer(x)
+
+
+def _random_leaf(rng, xops, llama):
+    kind = rng.choice(["xformers_packed", "xformers_unpacked", "llama_mlp", "linear", "layernorm", "torchtitan"])
+    if kind == "xformers_packed":
+        return xops.SwiGLU(D, 24)
+    if kind == "xformers_unpacked":
+        return xops.SwiGLU(D, 24, _pack_weights=False)
+    if kind == "llama_mlp":
+        return llama.LlamaMLP(llama.LlamaConfig(hidden_size=D, intermediate_size=24, num_attention_heads=2,
+                                                num_key_value_heads=2))
+    if kind == "torchtitan":
+        return TorchtitanFeedForward(D, 12)  # a GLU under other names: patch() only
+    return nn.Linear(D, D) if kind == "linear" else nn.LayerNorm(D)
+
+
+def _random_stack(rng, xops, holder):
+    """Three D -> D layers that look like gate/up/down projections (an
+    xformers SwiGLU states in_features/out_features), maybe with a norm."""
+    layers = [rng.choice([lambda: xops.SwiGLU(D, 24), lambda: xops.SwiGLU(D, 24, _pack_weights=False),
+                          lambda: nn.Linear(D, D)])() for _ in range(3)]
+    if rng.random() < 0.5:
+        layers.insert(rng.randrange(4), nn.LayerNorm(D))
+    return holder(*layers)
+
+
+def _random_nest(rng, xops, llama, depth=3):
+    """A runnable tree of D -> D modules: containers and blocks over leaves."""
+    if depth == 0 or rng.random() < 0.25:
+        if rng.random() < 0.3:
+            return _random_stack(rng, xops, rng.choice([nn.Sequential, Chain]))
+        return _random_leaf(rng, xops, llama)
+    children = [_random_nest(rng, xops, llama, depth - 1) for _ in range(rng.choice([1, 2, 3, 3]))]
+    holder = rng.choice(["sequential", "chain", "fork", "chain_of_list", "fork_of_dict"])
+    if holder == "sequential":
+        return nn.Sequential(*children)
+    if holder == "chain":
+        return Chain(*children)
+    if holder == "fork":
+        return Fork(*children)
+    if holder == "chain_of_list":
+        return Chain(nn.ModuleList(children))
+    return Fork(nn.ModuleDict({f"k{i}": c for i, c in enumerate(children)}))
+
+
+def _reached(model):
+    """family -> paths of the modules patched in that family."""
+    found = {"xformers": set(), "hf": set(), "generic": set()}
+    for path, m in model.named_modules():
+        if type(m).__name__ == "SwiGLU" and type(m).__module__.startswith("xformers") and m.op is not None:
+            found["xformers"].add(path)
+        elif isinstance(m, SwiGLUMLP):
+            found[m.swiglu_family].add(path)
+    return found
+
+
+def test_every_entry_reaches_in_random_nests_of_containers_and_blocks_what_patch_reaches():
+    """30 seeded random trees of Sequential/ModuleList/ModuleDict and block
+    classes over real xformers SwiGLUs (packed and not), real LlamaMLPs,
+    a torchtitan FeedForward and plain layers: patch() fuses every GLU in
+    them, reports no container, and patch_xformers / patch_model reach
+    exactly the modules of their families that patch() does."""
+    import random
+
+    xops = _xformers_ops()
+    if xops is None:
+        pytest.skip("needs xformers")
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    lookalikes_seen = 0
+    for seed in range(30):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        base = Chain(_random_nest(rng, xops, llama))
+        modules = dict(base.named_modules())
+        by_patch, by_xformers, by_hf = (copy.deepcopy(base) for _ in range(3))
+        report = sc.patch(by_patch)
+        n_xformers, n_hf = patch_xformers(by_xformers), patch_model(by_hf)
+        reached = _reached(by_patch)
+        expected = {"xformers": {p for p, m in modules.items() if isinstance(m, xops.SwiGLU)},
+                    "hf": {p for p, m in modules.items() if isinstance(m, llama.LlamaMLP)},
+                    "generic": {p for p, m in modules.items() if isinstance(m, TorchtitanFeedForward)}}
+        assert reached == expected, seed
+        rows = {**report.fused, **report.partial, **report.skipped, **report.pending}
+        assert not [p for p in rows if isinstance(modules[p], containers)], (seed, str(report))
+        assert _reached(by_xformers) == {"xformers": reached["xformers"], "hf": set(), "generic": set()}, seed
+        assert _reached(by_hf) == {"xformers": set(), "hf": reached["hf"], "generic": set()}, seed
+        assert (n_xformers, n_hf) == (len(reached["xformers"]), len(reached["hf"])), seed
+        # A block whose children look like three projections, refused, with GLUs inside it:
+        # the case where the narrow walks used to stop.
+        lookalikes_seen += any(any(f.startswith(p + ".") for f in reached["xformers"] | reached["hf"])
+                               for p in report.skipped)
+    assert lookalikes_seen >= 3, lookalikes_seen

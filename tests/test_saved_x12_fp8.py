@@ -233,6 +233,24 @@ def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
 
 
 
+def test_float64_builds_no_8_bit_kernels_and_their_launch_says_why(host_launcher):
+    """float64 refuses saved_x12="fp8", so its modules leave those kernels
+    out; a direct launch gets the API's TypeError, not a missing symbol."""
+    from swiglu_cupy.activations import SILU
+    from swiglu_cupy.kernels.sources import DEFAULT_VARIANT, kernel_names
+
+    assert not [n for n in kernel_names(DEFAULT_VARIANT, torch.float64) if "_fp8_" in n]
+    assert len([n for n in kernel_names(DEFAULT_VARIANT, torch.float32) if "_fp8_" in n]) == 6
+    x12, dh = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    _, saved = run.run_swiglu_forward_fp8(x12.float(), "torch", None, SILU)
+    host_launcher.launches.clear()
+    with pytest.raises(TypeError, match="float64"):
+        run.run_swiglu_forward_fp8(x12, None, host_launcher, SILU)
+    with pytest.raises(TypeError, match="float64"):
+        run.run_swiglu_backward_fp8(saved, dh, None, host_launcher, SILU)
+    assert not [n for n, *_ in host_launcher.launches if "_fp8_" in n]
+
+
 # ---- the clamp boundary rule -------------------------------------------------------------------
 
 @pytest.mark.parametrize("implementation", ["torch", "host_kernels"])

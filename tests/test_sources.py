@@ -30,6 +30,13 @@ def test_kernel_names_cover_every_packs_per_thread_candidate():
         kind = name.split("_")[1].upper()
         assert f"GLU_{kind}_ENTRY({name}, glu_silu_t, " in src
     assert "typedef Glu<SiluAct, false> glu_silu_t;" in src
+    lines = src.splitlines()
+    for name in fp8:  # stamped out only where the dtype can save x12 in 8 bits (not float64)
+        at = next(i for i, line in enumerate(lines) if f"_FP8_ENTRY({name}," in line)
+        assert [line for line in lines[:at] if line.startswith(("#if", "#endif"))][-1] == "#if SWIGLU_FP8_SAVED_X12"
+    for dtype in _sources.SUPPORTED_DTYPES:
+        names = set(_sources.kernel_names(_sources.DEFAULT_VARIANT, dtype))
+        assert names == (expected if dtype == torch.float64 else expected | fp8), dtype
 
 
 def test_every_variant_is_its_own_module_with_its_own_names():
@@ -74,4 +81,8 @@ def test_options_differ_per_dtype_and_vector_widths():
     opts = {d: _sources.compile_options(d) for d in _sources.SUPPORTED_DTYPES}
     assert len(set(opts.values())) == 4
     assert "-DSWIGLU_SCALAR=__nv_bfloat16" in opts[torch.bfloat16]
+    # float64 refuses saved_x12="fp8": its modules leave the 8-bit kernels out
+    assert {d: "-DSWIGLU_FP8_SAVED_X12=1" in o for d, o in opts.items()} == {
+        torch.float16: True, torch.bfloat16: True, torch.float32: True, torch.float64: False}
+    assert all(("-DSWIGLU_FP8_SAVED_X12=0" in o) != ("-DSWIGLU_FP8_SAVED_X12=1" in o) for o in opts.values())
     assert [_sources.vector_width(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] == [8, 8, 4, 2]

@@ -269,6 +269,46 @@ def test_patch_xformers_counts_and_strict():
         patch_xformers(lambda x: x)
 
 
+def test_patch_xformers_searches_a_sequential_that_looks_like_three_projections():
+    """Issue 34: a Sequential of SwiGLU, Linear, SwiGLU (each states in/out
+    features of 16 -> 16, like three projections) was taken for a GLU
+    candidate, refused, and patch_xformers stopped there."""
+    net = nn.Sequential(xops.SwiGLU(16, 32), nn.Linear(16, 16), xops.SwiGLU(16, 32, _pack_weights=False))
+    twin = copy.deepcopy(net)
+    assert patch_xformers(net) == 2
+    assert [m.op for m in net if isinstance(m, xops.SwiGLU)] == [SwiGLUPackedFusedOp, SwiGLUFusedOp]
+    report = sc.patch(twin)
+    assert set(report.fused) == {"0", "2"} and not report.skipped  # no row for the Sequential itself
+
+
+def _llama_mlp_of_xformers_swiglus():
+    """A real LlamaMLP whose projections are xformers SwiGLUs: the walk takes
+    the LlamaMLP as the GLU feed-forward (its projections run as themselves)."""
+    llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    mlp = llama.LlamaMLP(llama.LlamaConfig(hidden_size=D, intermediate_size=H, num_attention_heads=2,
+                                           num_key_value_heads=2))
+    mlp.gate_proj, mlp.up_proj, mlp.down_proj = xops.SwiGLU(D, 8, H), xops.SwiGLU(D, 8, H), xops.SwiGLU(H, 8, D)
+    return nn.ModuleDict({"norm": nn.LayerNorm(D), "mlp": mlp})
+
+
+def test_patch_xformers_warns_naming_the_first_swiglu_it_could_not_patch_and_why():
+    model = _llama_mlp_of_xformers_swiglus()
+    with pytest.warns(UserWarning, match=r"none of the 3 xformers.ops.SwiGLU in ModuleDict could be patched: "
+                                         r"the first, mlp.gate_proj, lies inside mlp \(LlamaMLP: a GLU "
+                                         r"feed-forward under Hugging Face's names"):
+        assert patch_xformers(model) == 0
+    assert all(m.op is None for m in model.modules() if isinstance(m, xops.SwiGLU))
+    with pytest.raises(ValueError, match="strict=True.*the first, mlp.gate_proj, lies inside mlp"):
+        patch_xformers(model, strict=True)
+    report = sc.patch(copy.deepcopy(model))  # what the warning points to: patch() takes the LlamaMLP
+    assert set(report.partial) == {"mlp"} and "SwiGLU is not an nn.Linear" in report.partial["mlp"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: none there, or some patched
+        assert patch_xformers(nn.Sequential(nn.Linear(D, D))) == 0
+        model["extra"] = xops.SwiGLU(D, H)
+        assert patch_xformers(model) == 1
+
+
 class _OpSpy(TorchDispatchMode):
     """Records every aten op: name, the storages its tensor arguments live in,
     and the (shape, storage) of each tensor it returns."""

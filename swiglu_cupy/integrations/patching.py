@@ -41,7 +41,7 @@ from ..dense.module import SwiGLU
 from .forward import _is_noop, linear_obstacle
 from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
 from .probe import choose_plan
-from .recognition import GLUPlan, generic_candidates, hf_candidates
+from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
 
@@ -68,6 +68,11 @@ class PatchReport:
     pending: dict[str, str] = dataclasses.field(default_factory=dict)
     #: Paths among ``fused``/``partial`` that were fused before this call.
     already: list[str] = dataclasses.field(default_factory=list)
+    #: path -> why a module of the walk's families that is recognised by its
+    #: class (xformers' ``SwiGLU``, torchtitan's) was not patched: it lies
+    #: inside a module the walk handled (the GLU feed-forward it is a
+    #: projection of, say), which the walk does not look inside.
+    unreached: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         """Modules whose forward now runs fused code (whole or activation), or
@@ -144,13 +149,28 @@ def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x1
 #: narrow entries (``hf.patch_model``, ``xformers.patch_xformers``) are
 #: :func:`walk` over some of them: the same candidates, probe and result.
 FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
+_FAMILY_WORDS = {"hf": "under Hugging Face's names", "generic": "under other names"}
+_FAMILY_ENTRY = {"hf": "swiglu_cupy.patch or hf.patch_model", "generic": "swiglu_cupy.patch"}
+
+
+def _family_of_class(module: nn.Module) -> str | None:
+    """The family of a module recognised by its class alone (not by structure)."""
+    if is_xformers_swiglu(module):
+        return "xformers"
+    if is_torchtitan_switchable(module):
+        return "torchtitan"
+    return None
 
 
 def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
          inplace_backward: bool = False, saved_x12=None, tile_rows=None) -> PatchReport:
     """The one walk over ``model`` (itself included): each module is looked at
     once, outermost first; a module that is handled (fused, skipped with a
-    reason, or left out by ``families``) is not searched inside."""
+    reason, or left out by ``families``) is not searched inside. Containers
+    (``nn.Sequential``, ``ModuleList``, ``ModuleDict``) are never candidates,
+    and a candidate under other names that is refused is always searched
+    inside, whatever ``families`` holds: every narrowed walk reaches exactly
+    the modules of its families that the whole walk reaches."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(verify=verify, recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
@@ -159,15 +179,20 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
     unknown = set(families) - FAMILIES
     if unknown:
         raise ValueError(f"families must be a subset of {sorted(FAMILIES)}, got {sorted(unknown)}")
-    report, done = PatchReport(), []
+    report = PatchReport()
+    handled: dict[str, str] = {}  # path -> what the walk took it for (it does not look inside)
+    modes = (recompute_gate_up, inplace_backward)
     for path, module in model.named_modules(remove_duplicate=True):
-        if any(path.startswith(p + ".") or p == "" for p in done):
-            continue  # inside a module already handled: its projections
+        outer = next((p for p in handled if p == "" or path.startswith(p + ".")), None)
+        if outer is not None:  # inside a module already handled: its projections
+            if _family_of_class(module) in families:
+                report.unreached[path] = f"inside {outer or '<model>'} ({handled[outer]})"
+            continue
         if isinstance(module, SwiGLU):
-            done.append(path)
+            handled[path] = "swiglu_cupy.SwiGLU"
             continue
         if isinstance(module, FusedGLUMLP):
-            done.append(path)
+            handled[path] = f"{module._swiglu_base.__name__}, already switched to the fused class"
             if module.swiglu_family not in families:
                 continue
             pending = module.swiglu_pending is not None
@@ -183,13 +208,13 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 report.already.append(path)
             continue
         if is_xformers_swiglu(module):
-            done.append(path)
+            handled[path] = "xformers.ops.SwiGLU"
             if "xformers" in families:
                 report.classes[path] = type(module).__name__
                 report.fused[path] = patch_xformers_module(module)
             continue
         if is_torchtitan_switchable(module):
-            done.append(path)
+            handled[path] = f"torchtitan {torchtitan_base(module).__name__}"
             if "torchtitan" in families:
                 report.classes[path] = torchtitan_base(module).__name__
                 note = patch_torchtitan_class(module, recompute_gate_up, tile_rows)
@@ -198,33 +223,33 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 else:  # patch_torchtitan_class refuses exactly when there is a reason
                     report.skipped[path] = torchtitan_skip_reason(module)
             continue
-        cands = hf_candidates(module)
-        family = "hf"
-        if cands is None:
-            cands, family = generic_candidates(module), "generic"
-        if cands is None:
+        found = glu_candidates(module)
+        if found is None:
             continue
-        done.append(path)
-        if family not in families:
-            continue
-        report.classes[path] = type(module).__name__
-        if cands.reason is not None:
-            report.skipped[path] = cands.reason
-            continue
-        if verify and on_meta(module):
-            install_pending(module, cands, recompute_gate_up, inplace_backward, family)
-            module.saved_x12, module.tile_rows = saved_x12, tile_rows
-            _record_pending(report, path, module)
-            continue
-        plan, reason = choose_plan(module, cands, verify, (recompute_gate_up, inplace_backward))
-        if plan is None:
-            report.skipped[path] = reason
-            if family == "generic":
-                done.pop()  # shaped like one by accident (a Sequential of blocks?): look inside
-            continue
-        install(module, plan, recompute_gate_up, inplace_backward, family)
-        module.saved_x12, module.tile_rows = saved_x12, tile_rows
-        _record(report, path, module)
+        cands, family = found
+        # Decided alike in every walk, whatever its families: whether the walk
+        # looks inside a generic candidate depends on the probe's verdict.
+        plan, reason = None, cands.reason
+        pending = reason is None and verify and on_meta(module)
+        if reason is None and not pending and (family in families or family == "generic"):
+            plan, reason = choose_plan(module, cands, verify, modes)
+        if family in families:
+            report.classes[path] = type(module).__name__
+            if reason is not None:
+                report.skipped[path] = reason
+            elif pending:
+                install_pending(module, cands, recompute_gate_up, inplace_backward, family)
+                module.saved_x12, module.tile_rows = saved_x12, tile_rows
+                _record_pending(report, path, module)
+            else:
+                install(module, plan, recompute_gate_up, inplace_backward, family)
+                module.saved_x12, module.tile_rows = saved_x12, tile_rows
+                _record(report, path, module)
+        if reason is not None and family == "generic":
+            continue  # shaped like one by accident (a block of blocks?): look inside
+        handled[path] = f"{type(module).__name__}: a GLU feed-forward {_FAMILY_WORDS[family]}" + (
+            "" if family in families else f" (left to {_FAMILY_ENTRY[family]})") + (
+            f", left alone: {reason}" if reason is not None else "") + ", whose children are its projections"
     if "experts" in families:
         report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12, tile_rows)
     return report

@@ -17,8 +17,8 @@ from torch import nn
 from ..activations import GLUActivation
 from ..reference import glu_reference
 
-__all__ = ["GLUPlan", "Candidates", "KNOWN_ACTIVATIONS", "identify_activation", "hf_candidates",
-           "generic_candidates", "rows_agree", "find_act", "limit_of"]
+__all__ = ["GLUPlan", "Candidates", "KNOWN_ACTIVATIONS", "identify_activation", "glu_candidates", "hf_candidates",
+           "generic_candidates", "is_container", "rows_agree", "find_act", "limit_of"]
 
 #: The elementwise activations recognised by value, as specs of ``act(gate) * up``
 #: (``quick_gelu``, ``x * sigmoid(1.702 x)``, is the OAI form without offset).
@@ -287,3 +287,25 @@ def generic_candidates(module: nn.Module) -> Candidates | None:
             return Candidates([], in_features, False, reason)
         plans += [GLUPlan(down=down, activation=a, mid=mid, post=post, **layout) for a in acts]
     return Candidates(plans, in_features, False)
+
+
+def is_container(module: nn.Module) -> bool:
+    """``nn.Sequential``/``ModuleList``/``ModuleDict`` (or a subclass keeping
+    their forward): holders of modules, never a GLU feed-forward themselves.
+    A Sequential's children can still look like projections (an
+    ``xformers.ops.SwiGLU`` states ``in_features``/``out_features``)."""
+    return isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) \
+        and type(module).forward in (nn.Sequential.forward, nn.Module.forward)
+
+
+def glu_candidates(module: nn.Module) -> tuple[Candidates, str] | None:
+    """What the walk asks of structure, whatever families it is narrowed to:
+    ``(candidates, family)`` with family ``"hf"`` (Hugging Face's names) or
+    ``"generic"`` (any names), or None (containers always)."""
+    if is_container(module):
+        return None
+    cands = hf_candidates(module)
+    if cands is not None:
+        return cands, "hf"
+    cands = generic_candidates(module)
+    return None if cands is None else (cands, "generic")

@@ -11,6 +11,8 @@ The op objects and their protocol: :mod:`swiglu_cupy.integrations.xformers_ops`.
 """
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 
 from .._validation import check_flags
@@ -25,7 +27,10 @@ def patch_xformers(model: nn.Module, strict: bool = False) -> int:
     itself included) and return how many were set: packed modules (the
     default) get :data:`SwiGLUPackedFusedOp`, ``_pack_weights=False`` ones
     :data:`SwiGLUFusedOp`. Weights, parameter names and state_dict stay
-    xformers'. ``strict=True`` raises ``ValueError`` if there was none.
+    xformers'. ``strict=True`` raises ``ValueError`` if there was none;
+    otherwise, when ``model`` holds xformers ``SwiGLU``\ s but none could be
+    patched (each lies inside a module the walk handles, e.g. as the
+    projection of a GLU feed-forward), it warns, naming the first and why.
 
     The narrow entry for xformers modules; :func:`swiglu_cupy.patch` does
     this and fuses every other GLU feed-forward too (DINOv2's ``SwiGLUFFN``
@@ -33,8 +38,17 @@ def patch_xformers(model: nn.Module, strict: bool = False) -> int:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(strict=strict)
-    patched = len(walk(model, {"xformers"}))
-    if strict and patched == 0:
+    report = walk(model, {"xformers"})
+    patched = len(report)
+    if patched == 0 and report.unreached:
+        path, why = next(iter(report.unreached.items()))
+        message = (f"none of the {len(report.unreached)} xformers.ops.SwiGLU in {type(model).__name__} could "
+                   f"be patched: the first, {path}, lies {why}, and the walk does not look inside a module it "
+                   "handles. swiglu_cupy.patch(model) reports what it does with that module.")
+        if strict:
+            raise ValueError(f"patch_xformers(strict=True): {message}")
+        warnings.warn(f"patch_xformers: {message}", UserWarning, stacklevel=2)
+    elif strict and patched == 0:
         why = ("xformers is not imported, so the model holds no xformers.ops.SwiGLU"
                if _xformers_swiglu_class() is None else f"{type(model).__name__} contains no xformers.ops.SwiGLU")
         raise ValueError(f"patch_xformers(strict=True): nothing to patch: {why}. For any other GLU "

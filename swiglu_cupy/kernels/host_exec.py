@@ -100,9 +100,9 @@ def _cache_dir() -> Path:
     return root
 
 
-def host_source() -> str:
+def host_source(dtype: torch.dtype) -> str:
     entries = "\n".join(variant_entries(v) for v in VARIANTS)
-    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for v in VARIANTS for n in kernel_names(v))
+    wrappers = "".join(_WRAPPER_TEMPLATE.format(name=n) for v in VARIANTS for n in kernel_names(v, dtype))
     return f"{kernel_files_source()}\n{entries}\n{_LAUNCHER_TEMPLATE}\n{wrappers}"
 
 
@@ -112,7 +112,7 @@ def build_library(dtype: torch.dtype) -> Path:
     includes = cuda_include_dirs()
     if not any((d / "cuda_fp16.h").is_file() for d in includes):
         raise RuntimeError(missing_header_hint("cuda_fp16.h"))
-    source = host_source()
+    source = host_source(dtype)
     defines = [o for o in compile_options(dtype) if o.startswith("-D")]
     flags = ["-x", "c++", "-std=c++17", HOST_OPT_LEVEL, "-fPIC", "-shared", "-w",
              *defines, *(f"-I{d}" for d in includes)]

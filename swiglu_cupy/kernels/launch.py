@@ -209,7 +209,7 @@ def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32), a
     count = 0
     for dtype in dtypes:
         for variant in variants:
-            for name in kernel_names(variant):
+            for name in kernel_names(variant, dtype):
                 launcher.function(name, dtype, index)
                 count += 1
     launcher._stream(index)

@@ -8,7 +8,8 @@ source, or a stale binary would be served after an upgrade.
 
 Each GLU variant (``KernelVariant``: activation kind x clamp x layout) is its
 own module of 18 entry points (direction x access width x packs per thread,
-and the 8-bit saved x12's direction x packs per thread),
+and the 8-bit saved x12's direction x packs per thread; 12 for float64, which
+refuses ``saved_x12="fp8"``, so no 8-bit kernel of it would ever run),
 compiled lazily per (device, dtype, variant): SwiGLU alone compiles what it
 did before the other variants existed, and a model pays only for the
 variants it runs.
@@ -22,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._dtypes import SUPPORTED_DTYPES  # noqa: F401 (re-exported: kernels.sources.SUPPORTED_DTYPES)
+from .._dtypes import FP8_SAVED_X12_DTYPES, SUPPORTED_DTYPES  # noqa: F401 (SUPPORTED_DTYPES re-exported)
 from .._version import __version__
 from ..activations import KINDS, GLUActivation
 from .launch_config import MAX_THREADS_PER_BLOCK, PACKS_PER_THREAD
@@ -124,7 +125,9 @@ def module_source(variant: KernelVariant = DEFAULT_VARIANT) -> str:
 
 def variant_entries(variant: KernelVariant) -> str:
     """One variant's functor typedef and its 18 entry points (appended to
-    the kernel files; the host harness appends several variants' at once)."""
+    the kernel files; the host harness appends several variants' at once).
+    The 8-bit saved x12's are built only where ``SWIGLU_FP8_SAVED_X12`` is
+    1 (:func:`compile_options`: not for float64)."""
     functor = f"glu_{variant.kind}{'_clamp' if variant.clamp else ''}_t"
     # SwiGLU keeps ptxas's own register choice (as before the other variants
     # existed). The others allow up to 65536 / 512 registers: left to its
@@ -137,10 +140,11 @@ def variant_entries(variant: KernelVariant) -> str:
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
         fp8 = "_FP8" if kind in FP8_KERNEL_KINDS else ""
         macro = f"GLU_{kind.split('_')[1].upper()}{fp8}{'_PAIRS' if variant.interleaved else ''}_ENTRY"
-        lines += ["#undef SWIGLU_LAUNCH_BOUNDS",
-                  f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}"
-                  f"{', 2' if kind in FP8_KERNEL_KINDS else min_blocks})",
-                  f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})"]
+        entry = ["#undef SWIGLU_LAUNCH_BOUNDS",
+                 f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}"
+                 f"{', 2' if kind in FP8_KERNEL_KINDS else min_blocks})",
+                 f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})"]
+        lines += ["#if SWIGLU_FP8_SAVED_X12", *entry, "#endif"] if kind in FP8_KERNEL_KINDS else entry
     return "\n".join(lines)
 
 
@@ -169,10 +173,18 @@ def clear_source_cache() -> None:
     module_source.cache_clear()
 
 
-def _instances():
+def builds_fp8_kernels(dtype: torch.dtype | None) -> bool:
+    """Whether ``dtype``'s modules hold the 8-bit saved x12's kernels (None: any dtype's)."""
+    return dtype is None or dtype in FP8_SAVED_X12_DTYPES
+
+
+def _instances(dtype: torch.dtype | None = None):
+    """(kind, vectorized, packs) of every entry point of ``dtype``'s modules
+    (None: of the source, i.e. of the dtypes that build them all)."""
+    fp8_kinds = FP8_KERNEL_KINDS if builds_fp8_kernels(dtype) else ()
     return [(kind, vectorized, packs) for kind in KERNEL_KINDS
             for vectorized in (True, False) for packs in PACKS_PER_THREAD] + [
-        (kind, False, packs) for kind in FP8_KERNEL_KINDS for packs in PACKS_PER_THREAD]
+        (kind, False, packs) for kind in fp8_kinds for packs in PACKS_PER_THREAD]
 
 
 def kernel_name(kind: str, vectorized: bool, packs_per_thread: int,
@@ -187,9 +199,10 @@ def kernel_name(kind: str, vectorized: bool, packs_per_thread: int,
 
 
 @functools.lru_cache(maxsize=None)
-def kernel_names(variant: KernelVariant = DEFAULT_VARIANT) -> tuple[str, ...]:
-    """Every kernel entry point in one variant's module."""
-    return tuple(kernel_name(*instance, variant) for instance in _instances())
+def kernel_names(variant: KernelVariant = DEFAULT_VARIANT, dtype: torch.dtype | None = None) -> tuple[str, ...]:
+    """Every kernel entry point in one variant's module for ``dtype`` (None:
+    every one its source defines; float64's module lacks the 8-bit saved x12's)."""
+    return tuple(kernel_name(*instance, variant) for instance in _instances(dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +222,7 @@ def variant_of_kernel(name: str) -> KernelVariant:
 def compile_options(dtype: torch.dtype) -> tuple[str, ...]:
     """NVRTC options for one storage dtype (the arch is added by the caller)."""
     return ("--std=c++17", f"-DSWIGLU_MAX_THREADS_PER_BLOCK={MAX_THREADS_PER_BLOCK}",
-            f"-DSWIGLU_SCALAR={CTYPE_OF_DTYPE[dtype]}")
+            f"-DSWIGLU_FP8_SAVED_X12={int(builds_fp8_kernels(dtype))}", f"-DSWIGLU_SCALAR={CTYPE_OF_DTYPE[dtype]}")
 
 
 def vector_width(dtype: torch.dtype) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from ..kernels.launch import cupy_launcher, device_index, i64, pointer
 from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
+from .._validation import check_fp8_compute_dtype
 from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
 from . import saved_x12
@@ -239,6 +240,7 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
 def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: LaunchConfig | None = None,
                               activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, the saved tensor [M, R] uint8) from x12, in one pass."""
+    check_fp8_compute_dtype(x12.dtype)  # float64's modules hold no 8-bit kernels
     x12 = _rows_view(x12)
     M, H = x12.shape[0], x12.shape[1] // 2
     h = _empty_rows(x12, H)
@@ -261,6 +263,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
                                launch_config: LaunchConfig | None = None,
                                activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h) in dh's dtype from the saved tensor."""
+    check_fp8_compute_dtype(dh.dtype)  # float64's modules hold no 8-bit kernels
     dh = _rows_view(dh)
     M, H = dh.shape
     if saved.stride(0) != saved.shape[1] or saved.data_ptr() % 4:
