@@ -57,6 +57,41 @@ def is_transformed(t: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and is_functorch_wrapped(t)
 
 
+# ``silu(input, out=...)`` straight from torch's C++ binding: the CPU path calls
+# it once per row block, and it has half the call overhead of the public
+# ``torch.ops.aten.silu.out`` (which takes the same arguments). If it goes:
+# that public op runs instead (the same result, a little slower).
+silu_into = _private(torch._C._nn, "silu", lambda t, out: torch.ops.aten.silu.out(t, out=out),
+                     "the CPU path's silu takes torch.ops.aten.silu.out (same result, slower)")
+
+
+# The base classes of nn's dropout and batch/instance-norm layers, for
+# isinstance checks that cover every variant (Dropout1d/2d/3d, AlphaDropout,
+# ...; BatchNorm*, InstanceNorm*, SyncBatchNorm). If they go: the public
+# classes below are checked instead (a subclass of the base alone would no
+# longer be recognised as a dropout or a norm).
+DROPOUT_CLASSES = _private(torch.nn.modules.dropout, "_DropoutNd",
+                           (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                            torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout),
+                           "dropout layers are recognised by the public classes only")
+BATCH_NORM_CLASSES = _private(torch.nn.modules.batchnorm, "_NormBase",
+                              (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d,
+                               torch.nn.SyncBatchNorm, torch.nn.InstanceNorm1d, torch.nn.InstanceNorm2d,
+                               torch.nn.InstanceNorm3d),
+                              "norm layers are recognised by the public classes only")
+
+
+def dispatch_mode_base():
+    """torch's ``TorchDispatchMode`` (documented, but only importable from the
+    private ``torch.utils._python_dispatch``) and ``tree_leaves`` (from
+    ``torch.utils._pytree``), for the live-bytes tracker (a tool, not the op).
+    If they go: the tracker cannot be built; nothing else uses them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    return TorchDispatchMode, tree_leaves
+
+
 # nn.Module's process-wide hooks (torch.nn.modules.module.register_module_*
 # hooks) live in these private dicts. The fused HF forward skips calling the
 # projections' own modules, so it must step aside while any is registered.

@@ -124,3 +124,43 @@ def test_a_planted_cycle_and_upward_import_are_caught(tmp_path, monkeypatch):
     monkeypatch.setitem(GRAPH, "reference", GRAPH["reference"] | {"activations"})
     with pytest.raises(AssertionError, match="cycle"):
         test_no_import_cycles()
+
+
+# ---- private torch APIs live in the two compat modules only -----------------------------
+
+_COMPAT = {"_torch_compat.py", "_distributed_compat.py"}
+_TORCH_ROOTS = {"torch", "nn", "F", "dist"}
+
+
+def _private_torch_uses(source: str) -> list[str]:
+    """``torch._x`` / ``nn.modules.x._Y`` attribute chains and ``from torch._x``
+    / ``from torch.a._b`` imports in ``source`` (dunders are not private)."""
+    found, inner = [], set()
+    for node in ast.walk(ast.parse(source)):  # outer attributes come before the chains inside them
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner.add(id(node.value))
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            chain, n = [], node
+            while isinstance(n, ast.Attribute):
+                chain.append(n.attr)
+                n = n.value
+            if isinstance(n, ast.Name) and n.id in _TORCH_ROOTS and any(
+                    c.startswith("_") and not c.startswith("__") for c in chain):
+                found.append(".".join([n.id, *reversed(chain)]))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch" \
+                and any(p.startswith("_") for p in node.module.split(".")):
+            found.append(f"from {node.module}")
+    return found
+
+
+def test_private_torch_apis_only_in_the_compat_modules():
+    offenders = {str(p.relative_to(PACKAGE)): uses for p in sorted(PACKAGE.rglob("*.py")) if p.name not in _COMPAT
+                 and (uses := _private_torch_uses(p.read_text()))}
+    assert not offenders, offenders
+
+
+def test_the_private_api_scan_is_not_vacuous():
+    assert _private_torch_uses("import torch\nx = torch._C._nn.silu\n") == ["torch._C._nn.silu"]
+    assert _private_torch_uses("from torch.utils._pytree import tree_leaves\n") == ["from torch.utils._pytree"]
+    assert _private_torch_uses("from torch import nn\nok = nn.modules.dropout._DropoutNd\n")
+    assert _private_torch_uses("import torch\ny = torch.nn.functional.silu\nz = t.__class__\n") == []

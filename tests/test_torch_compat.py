@@ -116,3 +116,22 @@ def test_a_torch_without_the_cpp_apply_still_imports_and_runs(tmp_path):
 def test_this_torch_has_the_cpp_apply():
     """The fallback above must stay a fallback: on the supported torch the lean apply is live."""
     assert compat.cpp_function_apply is not None, "torch._C._FunctionBase.apply moved: see _torch_compat"
+
+
+def test_silu_into_writes_silu_into_out():
+    x = torch.randn(5, 7)
+    out = torch.empty(5, 7)
+    assert compat.silu_into(x, out=out) is out, "torch._C._nn.silu(x, out=) no longer returns out"
+    assert torch.equal(out, torch.nn.functional.silu(x)), "torch._C._nn.silu changed meaning"
+    assert compat.silu_into is torch._C._nn.silu   # the fallback is not live on the supported torch
+
+
+def test_dropout_and_norm_base_classes_cover_their_variants():
+    for cls in (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.AlphaDropout):
+        assert isinstance(cls(), compat.DROPOUT_CLASSES), cls
+    for cls in (torch.nn.BatchNorm1d, torch.nn.InstanceNorm1d):
+        assert isinstance(cls(4), compat.BATCH_NORM_CLASSES), cls
+    assert not isinstance(torch.nn.LayerNorm(4), compat.BATCH_NORM_CLASSES)
+    # the private bases, not the public fallbacks, on the supported torch
+    assert compat.DROPOUT_CLASSES is torch.nn.modules.dropout._DropoutNd
+    assert compat.BATCH_NORM_CLASSES is torch.nn.modules.batchnorm._NormBase

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._torch_compat import global_module_hooks_active
+from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..dense.module import _registered
 from ..reference import glu_reference
@@ -44,7 +44,7 @@ def _is_noop(m: nn.Module) -> bool:
     """A child between the product and ``down`` that does nothing now."""
     if isinstance(m, nn.Identity):
         return True
-    return isinstance(m, nn.modules.dropout._DropoutNd) and (m.p == 0 or not m.training)
+    return isinstance(m, DROPOUT_CLASSES) and (m.p == 0 or not m.training)
 
 
 def _params(lin: nn.Module):

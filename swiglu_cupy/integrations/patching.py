@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .._torch_compat import global_module_hooks_active
+from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
 from .forward import _is_noop, linear_obstacle
@@ -107,7 +107,7 @@ def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
     for n in plan.mid:
         m = mods[n]
         if not _is_noop(m):
-            what = f"{type(m).__name__} p={m.p:g} in training" if isinstance(m, nn.modules.dropout._DropoutNd) \
+            what = f"{type(m).__name__} p={m.p:g} in training" if isinstance(m, DROPOUT_CLASSES) \
                 else type(m).__name__
             why.append(f"{n} ({what}) between the product and {plan.down} runs as itself")
     if not why and global_module_hooks_active():

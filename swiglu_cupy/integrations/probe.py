@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from .._torch_compat import DROPOUT_CLASSES
 from .._dtypes import SUPPORTED_DTYPES
 from .forward import run_plan
 from .recognition import Candidates, GLUPlan, rows_agree
@@ -79,7 +80,7 @@ class _Probe:
         the same order and shapes only if the plan puts each dropout where the
         module's forward applies it."""
         mods = self.module._modules
-        if not any(isinstance(mods[n], nn.modules.dropout._DropoutNd) and mods[n].p > 0
+        if not any(isinstance(mods[n], DROPOUT_CLASSES) and mods[n].p > 0
                    for n in (*plan.mid, *plan.post)):
             return True
         expected = self.run(self.own_forward, training=True, seed=7)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .._torch_compat import BATCH_NORM_CLASSES, DROPOUT_CLASSES
 from ..activations import GLUActivation
 from ..reference import glu_reference
 
@@ -143,8 +144,8 @@ def _shape(m: nn.Module) -> tuple[int | None, int | None] | None:
     return None
 
 
-_PASSIVE = (nn.Identity, nn.modules.dropout._DropoutNd)
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase) + \
+_PASSIVE = (nn.Identity, DROPOUT_CLASSES)  # isinstance takes nested tuples (the fallback is one)
+_NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM_CLASSES) + \
     ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 

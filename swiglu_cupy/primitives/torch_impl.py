@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._torch_compat import silu_into
 from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
 from ..activations import SILU, GLUActivation
 
@@ -37,7 +38,7 @@ from ..activations import SILU, GLUActivation
 # forward 1.44 -> 1.23 ms, backward 3.67 -> 3.19 ms; fp32 best as it was).
 _BLOCK_ELEMENTS = 1 << 17
 
-_silu_into = torch._C._nn.silu  # silu(input, out=...): half the call overhead of torch.ops.aten.silu.out
+_silu_into = silu_into  # silu(input, out=...), see _torch_compat
 _silu_backward_into = torch.ops.aten.silu_backward.grad_input
 
 

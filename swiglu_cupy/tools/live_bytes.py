@@ -22,8 +22,10 @@ import dataclasses
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from .._torch_compat import dispatch_mode_base
+
+TorchDispatchMode, tree_leaves = dispatch_mode_base()
 
 __all__ = ["LiveBytes", "Allocation"]
 
