@@ -213,3 +213,38 @@ def test_resolve_explicit_shape_on_cpu_keeps_the_smoke_token_count():
 def test_resolve_rejects_a_half_custom_shape():
     with pytest.raises(ValueError, match="--dim and --hidden go together"):
         _resolve("--device", "cpu", "--hidden", "24")
+
+
+def test_cpu_bench_long_context(tmp_path):
+    """`bench --long-context` at a small custom shape: every contender's exact
+    peak and largest allocation per length, the times, the ratios with their
+    goals, DeepSpeed's TiledMLP measured (the `test` extra installs it), the plot."""
+    from swiglu_cupy.tools.bench.long_context import CONTENDERS as LONG_CONTENDERS, GOALS
+
+    proc = _cli("bench", "--long-context", "--device", "cpu", "--dim", "32", "--hidden", "48", "--tokens", "256",
+                "1024", "--tile-rows", "128", "--repeats", "2", "--out", str(tmp_path), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "long_context.json").read_text())
+    result = report["result"]
+    assert result["shape"] == {"D": 32, "H": 48, "dtype": "float32", "tile_rows": 128}
+    assert not result["skipped"], result["skipped"]
+    assert [e["tokens"] for e in result["memory"]] == [256, 1024]
+    for entry in result["memory"]:
+        for name in LONG_CONTENDERS:
+            m = entry[name]
+            assert 0 < m["largest_bytes"] <= m["peak_bytes"]
+            assert m["rel_err_y"] < 1e-6 and m["rel_err_dx"] < 1e-6, (name, m)
+        # recompute_gate_up's peak: (4H + 2D) x 4 bytes per token, plus at this small H the CPU path's
+        # silu temporary of one row block (all rows here: at most H per token); the tiles' workspace is a tile's
+        formula = entry["tokens"] * (4 * 48 + 2 * 32) * 4
+        assert formula <= entry["recompute_gate_up"]["peak_bytes"] <= formula + entry["tokens"] * 48 * 4
+        assert entry["tiled"]["largest_bytes"] <= 128 * 2 * 48 * 4 or entry["tokens"] <= 128
+    for label, tokens in (("longest", 1024), ("one_tile", 128)):
+        t = result["time"][label]
+        assert t["tokens"] == tokens
+        for stats in t["ms"].values():
+            _positive_stats(stats, label)
+    assert set(result["ratios"]) >= set(GOALS) and all(v > 0 for v in result["ratios"].values())
+    assert (tmp_path / "long_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (tmp_path / "long_context.txt").read_text()
+    assert "peak_vs_recompute" in text and "goal <= 0.35" in text and "deepspeed_tiled_mlp" in text

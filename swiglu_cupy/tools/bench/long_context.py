@@ -26,6 +26,7 @@ from ...dense.module import SwiGLU
 from ..live_bytes import LiveBytes
 from .environment import environment
 from .measure import Clock, interleaved, median_ratio, short_error
+from .report import pyplot
 
 __all__ = ["run", "CONTENDERS", "CPU_SHAPE", "GPU_SHAPE"]
 
@@ -181,12 +182,9 @@ def format_long_context(report: dict) -> str:
 
 def plot_long_context(report: dict, path: Path) -> str | None:
     """Peak memory against tokens; returns why not, if matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        return f"matplotlib is not installed ({exc})"
+    plt, reason = pyplot()
+    if plt is None:
+        return reason
     r = report["result"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name in CONTENDERS:

@@ -127,14 +127,22 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> str | None:
-    """Writes the PNG; returns None, or the reason nothing was written."""
+def pyplot():
+    """(matplotlib.pyplot on the file-only Agg backend, None), or (None, why not)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as exc:
-        return f"matplotlib is not importable ({short_error(exc)}): install it with `pip install matplotlib`"
+        return None, f"matplotlib is not importable ({short_error(exc)}): install it with `pip install matplotlib`"
+    return plt, None
+
+
+def plot(report: dict, path: Path) -> str | None:
+    """Writes the PNG; returns None, or the reason nothing was written."""
+    plt, reason = pyplot()
+    if plt is None:
+        return reason
     names = [n for n in (LOWER_BOUND, *CONTENDERS)
              if any(r["contenders"].get(n, {}).get("available") for r in report["results"])]
     groups = [f"{r['shape']['name']}\n{r['shape']['dtype']} M={r['shape']['M']}" for r in report["results"]]
