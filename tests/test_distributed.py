@@ -289,10 +289,10 @@ def _case_fsdp2_view(rank, world):
     return res
 
 
-def _case_ddp(rank, world, reentrant=False):
+def _case_ddp(rank, world, reentrant=False, build=build_model):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = build_model("reentrant" if reentrant else "non_reentrant")
+    model = build("reentrant" if reentrant else "non_reentrant")
     # Reentrant checkpoint runs each block's backward as a nested backward
     # pass, so DDP's reducer sees the hooks of those params fire outside its
     # normal autograd traversal; static_graph=True is DDP's supported mode for

@@ -368,25 +368,39 @@ def test_patch_passes_tile_rows_to_the_fused_modules():
 
 # ---- FSDP2 ----------------------------------------------------------------------------------
 
-def _case_fsdp2_tiled(rank, world):
-    """test_distributed's FSDP2 + non-reentrant checkpoint case, every block tiled
-    (each rank's 20 rows in tiles of 6)."""
+def _tiled_stack(ckpt=None):
+    """test_distributed's model (3 SwiGLU blocks), every block in tiles of 6 rows
+    (each rank's 20 rows: 4 tiles, the last short)."""
     import test_distributed as td
 
-    def build(ckpt=None):
-        model = td.build_model(ckpt)
-        for block in model.blocks:
-            block.tile_rows = 6
-        return model
-
-    return td._case_fsdp2(rank, world, build=build)
+    model = td.build_model(ckpt)
+    for block in model.blocks:
+        block.tile_rows = 6
+    return model
 
 
-def test_fsdp2_with_tiles_matches_the_untiled_single_process_run(tmp_path, monkeypatch):
+def _case_fsdp2_tiled(rank, world):
+    import test_distributed as td
+
+    return td._case_fsdp2(rank, world, build=_tiled_stack)
+
+
+def _case_ddp_tiled(rank, world):
+    import test_distributed as td
+
+    return td._case_ddp(rank, world, build=_tiled_stack)
+
+
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_fsdp2_and_ddp_with_tiles_match_the_untiled_single_process_run(engine, tmp_path, monkeypatch):
+    """FSDP2 (per block + root) and DDP, non-reentrant checkpoint of every block,
+    2 gloo ranks, every block tiled: losses and every full gradient of 2 steps
+    equal one untiled process's (the tiles run inside the block's one forward,
+    so FSDP2 all-gathers once per call)."""
     import test_distributed as td
 
     ref = td.reference_run()
-    for result in td.launch("test_tiles:_case_fsdp2_tiled", tmp_path, monkeypatch):
+    for result in td.launch(f"test_tiles:_case_{engine}_tiled", tmp_path, monkeypatch):
         td.assert_matches(result, ref)
 
 

@@ -203,6 +203,28 @@ def test_converter_builds_fused_modules(name):
 
 
 @pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("way", ["patch", "converter"])
+def test_row_tiles_on_torchtitan_models_match_untiled(name, way):
+    """tile_rows through patch() and through the converter's config: every
+    FeedForward (B*L = 32 rows in tiles of 8) and GroupedExperts (its routed
+    rows in tiles of 8) runs tiled, with the untiled fused model's logits and
+    gradients (bf16 experts: within torchtitan's own bf16 distance)."""
+    if way == "patch":
+        tiled, untiled = build(name), build(name)
+        assert_report(name, tiled, sc.patch(tiled, tile_rows=8))
+        sc.patch(untiled)
+    else:
+        tiled = build(name, converters=[sctt.SwiGLUCupyConverter.Config(tile_rows=8)])
+        untiled = build(name, converters=[sctt.SwiGLUCupyConverter.Config()])
+    fused = [m for m in tiled.modules() if isinstance(m, (FeedForward, GroupedExperts))]
+    assert fused and all(getattr(m, "tile_rows", None) == 8 or getattr(m, "_swiglu_cupy_tile_rows", None) == 8
+                         for m in fused)
+    toks = tokens(tiled)
+    ref_model = full_precision_experts(build(name)) if name in MOE else None   # from the unpatched experts
+    compare(name, tiled, untiled, toks, ref_model)
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
 def test_patch_on_meta_then_materialize(name):
     """torchtitan's own flow: build on meta, patch there (the feed-forwards
     are switched undecided, the experts from their class), to_empty +
