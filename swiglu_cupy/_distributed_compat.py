@@ -190,11 +190,17 @@ def zero3_full_shape(t) -> torch.Size:
     return torch.Size(t.ds_shape) if zero3_partitioned(t) else t.shape
 
 
+_z3_leaf_module = None  # deepspeed.utils.z3_leaf_module, looked up once (fusion_of asks at every call)
+
+
 def zero3_leaf(module: nn.Module) -> bool:
     """Whether ZeRO-3 gathers ``module``'s whole subtree in its own hooks."""
-    from deepspeed.utils import z3_leaf_module  # public; deepspeed is loaded (the callers check)
+    global _z3_leaf_module
+    if _z3_leaf_module is None:
+        from deepspeed.utils import z3_leaf_module  # public; deepspeed is loaded (the callers check)
 
-    return bool(z3_leaf_module(module))
+        _z3_leaf_module = z3_leaf_module
+    return bool(_z3_leaf_module(module))
 
 
 def mark_zero3_leaf(module: nn.Module) -> None:
