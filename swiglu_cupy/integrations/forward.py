@@ -5,6 +5,8 @@ around the fused ``act(gate) * up`` (:func:`run_plan`); with ``fused=False``
 the same in plain torch ops, what the probe compares with."""
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -14,30 +16,49 @@ from ..dense.module import _registered
 from ..reference import glu_reference
 from .recognition import GLUPlan
 
-__all__ = ["run_plan", "fusion_of", "linear_obstacle"]
+__all__ = ["run_plan", "fusion_of", "linear_obstacle", "zero3_gathers"]
 
 
-def linear_obstacle(m: nn.Module, known_noop_forward=None) -> str | None:
+def _zero3():
+    """The DeepSpeed entries of the compat module, or None when deepspeed is not
+    loaded (then nothing can be ZeRO-3's, and nothing is imported)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    from .. import _distributed_compat
+
+    return _distributed_compat
+
+
+def zero3_gathers(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 gathers all of ``module``'s parameters (its
+    children's included) in ``module``'s own hooks: it is a ZeRO-3 leaf."""
+    compat = _zero3()
+    return compat is not None and compat.zero3_leaf(module)
+
+
+def linear_obstacle(m: nn.Module, known_noop_forward=None, zero3_gathered: bool = False) -> str | None:
     """Why calling ``m`` is not exactly ``F.linear(x, m.weight, m.bias)``, or
     None: ``m`` is an ``nn.Linear`` (or a subclass that keeps its forward, as
     torchtitan's ``Linear``) with no hooks (torch's parallel styles, PEFT,
     offloading) and no forward replaced on the instance (Hugging Face's
     tensor-parallel styles, accelerate's hooks), except by
     ``known_noop_forward``: a wrapper the caller knows to call
-    ``nn.Linear.forward`` and nothing else."""
+    ``nn.Linear.forward`` and nothing else. ``zero3_gathered``: the parent is
+    a ZeRO-3 leaf (:func:`zero3_gathers`), whose hooks gather this module's
+    parameters, so ZeRO-3's own hooks on ``m`` (which would only gather and
+    release them again) are no obstacle."""
     if not isinstance(m, nn.Linear):
         return f"{type(m).__name__} is not an nn.Linear (LoRA, quantized?)"
     if type(m).forward is not nn.Linear.forward:
         return f"{type(m).__name__} overrides nn.Linear.forward"
     if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks:
-        return f"{type(m).__name__} has hooks"
+        if not (zero3_gathered and _zero3().zero3_hooks_only(m)):
+            return f"{type(m).__name__} has hooks"
     if "forward" in m.__dict__ and (known_noop_forward is None or m.__dict__["forward"] is not known_noop_forward):
         return f"{type(m).__name__} has its forward replaced on the instance"
     return None
 
 
-def _plain_linear(m: nn.Module) -> bool:
-    return linear_obstacle(m) is None
 
 
 def _is_noop(m: nn.Module) -> bool:
@@ -81,11 +102,34 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     if plan is None:
         return None
     mods = module._modules
-    lins = [mods[n] for n in (plan.packed, plan.down) if n] if plan.packed else \
-        [mods[plan.gate], mods[plan.up], mods[plan.down]]
-    whole = (all(_plain_linear(m) for m in lins) and all(_is_noop(mods[n]) for n in plan.mid)
+    lins = _projections(mods, plan)
+    gathered = zero3_gathers(module)
+    whole = (all(linear_obstacle(m, zero3_gathered=gathered) is None for m in lins)
+             and all(_is_noop(mods[n]) for n in plan.mid)
              and not global_module_hooks_active())  # global hooks must see each projection's call
     return "mlp" if whole else "activation"
+
+
+def _projections(mods, plan: GLUPlan) -> list[nn.Module]:
+    return [mods[n] for n in (plan.packed, plan.down) if n] if plan.packed else \
+        [mods[plan.gate], mods[plan.up], mods[plan.down]]
+
+
+def adopt_zero3(module: nn.Module, plan: GLUPlan) -> bool:
+    """Make ``module`` a ZeRO-3 leaf when deepspeed.initialize put ZeRO-3's
+    hooks on its projections (patched before deepspeed was imported, so
+    :func:`~swiglu_cupy.integrations.fused.install` could not): from its next
+    call its own hooks gather the projections, and the whole MLP runs fused.
+    This call's projections were not gathered: they run as themselves."""
+    compat = _zero3()
+    if compat is None or compat.zero3_leaf(module):
+        return False
+    hooked = [m for m in _projections(module._modules, plan)
+              if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks]
+    if not hooked or not all(compat.zero3_hooks_only(m) for m in hooked):
+        return False
+    compat.mark_zero3_leaf(module)
+    return True
 
 
 def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_up: bool = False,
@@ -101,6 +145,8 @@ def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_u
     if fused and fusion_of(module, plan) == "mlp":
         out = _whole_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
     else:
+        if fused:
+            adopt_zero3(module, plan)
         if plan.packed is not None:
             gate, up = _split(mods[plan.packed](x), plan.order)
         else:

@@ -14,11 +14,12 @@ import torch
 from torch import nn
 
 from ..activations import GLUActivation
-from .forward import fusion_of, run_plan
+from .forward import _zero3, fusion_of, run_plan
 from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
 
-__all__ = ["FusedGLUMLP", "fused_class", "install", "install_pending", "CLASS_FORMS"]
+__all__ = ["FusedGLUMLP", "fused_class", "install", "install_pending", "CLASS_FORMS", "unmaterialised",
+           "zero3_partitioned"]
 
 class FusedGLUMLP(nn.Module):
     """The fused forward, mixed in front of a module's own class.
@@ -120,17 +121,39 @@ def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, in
     module.swiglu_pending = None
     module.swiglu_family = family
     module.recompute_gate_up, module.inplace_backward = recompute_gate_up, inplace_backward
+    compat = _zero3()
+    if compat is not None:
+        # The fused forward reads its children's weights without calling them:
+        # under ZeRO-3 its own hooks must gather them (set before
+        # deepspeed.initialize, the children get no hooks at all). Harmless
+        # without ZeRO-3: only ZeRO-3 reads the flag.
+        compat.mark_zero3_leaf(module)
 
 
 def on_meta(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
 
 
+def zero3_partitioned(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 holds some of ``module``'s parameters
+    partitioned now (built under ``deepspeed.zero.Init``, or after
+    ``deepspeed.initialize``, outside a forward): their data is empty."""
+    compat = _zero3()
+    return compat is not None and any(compat.zero3_partitioned(p) for p in module.parameters())
+
+
+def unmaterialised(module: nn.Module) -> bool:
+    """Nothing can be computed with ``module``'s weights now: on the meta
+    device, or partitioned by ZeRO-3 (gathered in its forward)."""
+    return on_meta(module) or zero3_partitioned(module)
+
+
 def install_pending(module: nn.Module, cands: Candidates, recompute_gate_up: bool, inplace_backward: bool,
                     family: str) -> None:
-    """Switch a module on the meta device to its fused class, undecided: it
-    runs its original forward until :func:`resolve_pending` (at its first
-    forward on real weights) lets the probe choose among ``cands``."""
+    """Switch a module on the meta device (or partitioned by ZeRO-3) to its
+    fused class, undecided: it runs its original forward until
+    :func:`resolve_pending` (at its first forward on real, or gathered,
+    weights) lets the probe choose among ``cands``."""
     install(module, None, recompute_gate_up, inplace_backward, family)
     module.swiglu_pending = cands
 
@@ -154,21 +177,23 @@ def resolve_pending(module: FusedGLUMLP) -> str | None:
 
 
 def _resolve_pending(module: FusedGLUMLP) -> str | None:
-    """Decide a module patched on the meta device, once its weights are real:
-    the probe picks the plan (or refuses them all: then the original forward
-    runs from now on, after one warning naming why; ``SWIGLU_CUPY_STRICT=1``
-    makes that an error). Returns the refusal's reason, or None. On meta
-    still (a shape-only forward): nothing is decided yet."""
+    """Decide a module patched on the meta device (or partitioned by ZeRO-3),
+    once its weights are real (or gathered: in its forward, ZeRO-3 gathered
+    them as a leaf): the probe picks the plan (or refuses them all: then the
+    original forward runs from now on, after one warning naming why;
+    ``SWIGLU_CUPY_STRICT=1`` makes that an error). Returns the refusal's
+    reason, or None. On meta still (a shape-only forward), or partitioned
+    (outside a forward): nothing is decided yet."""
     cands = module.swiglu_pending
-    if cands is None or on_meta(module):
+    if cands is None or unmaterialised(module):
         return None
     module.swiglu_pending = None
     plan, reason = choose_plan(module, cands, True, (module.recompute_gate_up, module.inplace_backward),
                                own_forward=_own_forward(module))
     module.swiglu_plan = plan
     if plan is None:
-        message = (f"swiglu_cupy: a {module._swiglu_base.__name__} patched on the meta device was checked at its "
-                   f"first forward and runs its original forward: {reason}")
+        message = (f"swiglu_cupy: a {module._swiglu_base.__name__} patched on the meta device (or partitioned by "
+                   f"ZeRO-3) was checked at its first forward and runs its original forward: {reason}")
         if os.environ.get("SWIGLU_CUPY_STRICT", "") not in ("", "0"):
             raise RuntimeError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)

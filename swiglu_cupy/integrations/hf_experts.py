@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -192,16 +193,29 @@ def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None, til
         return unfused("its act_fn is not a parameter-free silu/gelu/gelu_tanh/relu/sigmoid/identity")
     transposed = bool(getattr(module, "is_transposed", getattr(module, "experts_are_transposed", False)))
     w12, w3 = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if not (isinstance(w12, torch.Tensor) and isinstance(w3, torch.Tensor) and w12.dim() == 3 and w3.dim() == 3):
+    if not (isinstance(w12, torch.Tensor) and isinstance(w3, torch.Tensor)):
         return unfused("gate_up_proj/down_proj are not 3-D tensors")
-    two_i = w12.shape[2] if transposed else w12.shape[1]
-    down_i = w3.shape[1] if transposed else w3.shape[2]
+    s12, s3 = _full_shape(w12), _full_shape(w3)
+    if len(s12) != 3 or len(s3) != 3:
+        return unfused("gate_up_proj/down_proj are not 3-D tensors")
+    two_i = s12[2] if transposed else s12[1]
+    down_i = s3[1] if transposed else s3[2]
     if two_i != 2 * down_i:
-        return unfused(f"gate_up_proj {tuple(w12.shape)} and down_proj {tuple(w3.shape)} do not fit the "
+        return unfused(f"gate_up_proj {tuple(s12)} and down_proj {tuple(s3)} do not fit the "
                        f"{'transposed' if transposed else 'standard'} layout")
     if not _gate_matches(module, spec, two_i):
         return unfused(f"its _apply_gate does not compute {spec} on a probe")
     return ExpertsPlan(spec, transposed, recompute_gate_up, fallback, saved_x12=saved_x12, tile_rows=tile_rows)
+
+
+def _full_shape(t: torch.Tensor) -> torch.Size:
+    """``t``'s shape, also while DeepSpeed ZeRO-3 holds it partitioned (its
+    data is empty then; the forward runs on the weights ZeRO-3 gathered)."""
+    if "deepspeed" in sys.modules:
+        from .. import _distributed_compat
+
+        return _distributed_compat.zero3_full_shape(t)
+    return t.shape
 
 
 _WARNED: set = set()

@@ -38,8 +38,8 @@ from torch import nn
 from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
-from .forward import _is_noop, linear_obstacle
-from .fused import FusedGLUMLP, install, install_pending, on_meta, resolve_pending
+from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
+from .fused import FusedGLUMLP, install, install_pending, resolve_pending, unmaterialised, zero3_partitioned
 from .probe import choose_plan
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
@@ -73,6 +73,9 @@ class PatchReport:
     #: inside a module the walk handled (the GLU feed-forward it is a
     #: projection of, say), which the walk does not look inside.
     unreached: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: engine -> what runs under it, for the distributed engines found in the
+    #: model (``"DeepSpeed ZeRO-3"``: its parameters are partitioned).
+    engines: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         """Modules whose forward now runs fused code (whole or activation), or
@@ -87,6 +90,7 @@ class PatchReport:
                 for status, table in (("fused", self.fused), ("activation", self.partial),
                                       ("pending", self.pending), ("skipped", self.skipped))
                 for p, text in table.items()]
+        head += "".join(f"\n  {engine}: {what}" for engine, what in self.engines.items())
         if not rows:
             return head + "\n  (no GLU feed-forward found)"
         rows = [(p or "<model>", c, s, t) for p, c, s, t in rows]
@@ -100,7 +104,9 @@ def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
     mods = module._modules
     why = []
     projections = [n for n in (plan.packed, plan.gate, plan.up, plan.down) if n]
-    odd = [(n, linear_obstacle(mods[n])) for n in projections if linear_obstacle(mods[n]) is not None]
+    gathered = zero3_gathers(module)
+    odd = [(n, why_not) for n in projections
+           if (why_not := linear_obstacle(mods[n], zero3_gathered=gathered)) is not None]
     if odd:
         why.append(f"{'/'.join(n for n, _ in odd)} run as themselves: " + "; ".join(
             dict.fromkeys(reason for _, reason in odd)))
@@ -115,9 +121,19 @@ def _partial_reason(module: nn.Module, plan: GLUPlan) -> str:
     return f"{plan.activation}; " + "; ".join(why)
 
 
+_ZERO3_NOTE = " (DeepSpeed ZeRO-3: parameters gathered as a leaf module)"
+
+
+def _under_zero3(module: nn.Module) -> bool:
+    compat = _zero3()
+    return compat is not None and any(compat.zero3_param(p) for p in module.parameters())
+
+
 def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -> None:
     plan = module.swiglu_plan
     report.classes[path] = module._swiglu_base.__name__
+    if _under_zero3(module) and zero3_gathers(module):
+        note += _ZERO3_NOTE
     if module.fusion() == "mlp":
         report.fused[path] = f"{plan.activation}: {plan.describe()}{note}"
     else:
@@ -128,8 +144,25 @@ def _record_pending(report: PatchReport, path: str, module: nn.Module) -> None:
     cands = module.swiglu_pending
     report.classes[path] = module._swiglu_base.__name__
     kinds = "; ".join(dict.fromkeys(str(p.activation) for p in cands.plans))
+    if zero3_partitioned(module):
+        report.pending[path] = (f"partitioned by DeepSpeed ZeRO-3: the probe picks among {len(cands.plans)} plan(s) "
+                                f"({kinds}) at its first forward, on the weights its hooks gather as a leaf module")
+        return
     report.pending[path] = (f"on the meta device: the probe picks among {len(cands.plans)} plan(s) ({kinds}) "
                             "at its first forward on real weights (or at patch() again)")
+
+
+def _engine_notes(model: nn.Module, report: PatchReport) -> None:
+    """``report.engines``: what runs under DeepSpeed ZeRO-3 when it manages ``model``."""
+    if not _under_zero3(model):
+        return
+    mlps = [m for m in model.modules() if isinstance(m, FusedGLUMLP) and zero3_gathers(m)]
+    what = (f"{len(mlps)} fused MLP(s) are leaf modules: their hooks gather gate/up/down once per call "
+            "(forward, backward, checkpoint recompute) and the whole MLP runs fused")
+    if report.experts:
+        what += (f"; {report.experts} MoE experts module(s) run fused on the weights their own (or their "
+                 "MoE block's) hooks gather")
+    report.engines["DeepSpeed ZeRO-3"] = what
 
 
 def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x12=None, tile_rows=None) -> int:
@@ -230,7 +263,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
         # Decided alike in every walk, whatever its families: whether the walk
         # looks inside a generic candidate depends on the probe's verdict.
         plan, reason = None, cands.reason
-        pending = reason is None and verify and on_meta(module)
+        pending = reason is None and verify and unmaterialised(module)
         if reason is None and not pending and (family in families or family == "generic"):
             plan, reason = choose_plan(module, cands, verify, modes)
         if family in families:
@@ -252,6 +285,7 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             f", left alone: {reason}" if reason is not None else "") + ", whose children are its projections"
     if "experts" in families:
         report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12, tile_rows)
+    _engine_notes(model, report)
     return report
 
 
