@@ -518,3 +518,34 @@ def test_torchtitan_parallelize_two_gloo_ranks(name, ep, tp, tmp_path, monkeypat
         for n in g0:
             assert g0[n].abs().max() > 0, n
             assert_close(n, g1[n], g0[n], 1e-4, gr.get(n), f"rank {rank}: ")
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+def test_patched_torchtitan_models_pickle_and_deepcopy_as_their_classes(name):
+    """Switched torchtitan modules (experts) and the fused MLPs (FeedForward) come
+    from the one switched-class mechanism: each pickles as its torchtitan class
+    and loads switched, with its settings, and a deepcopy of the whole model
+    (torchtitan's own init closures do not pickle) gives the same classes and
+    numbers."""
+    import pickle
+
+    from swiglu_cupy.integrations import fused
+
+    model = build(name)
+    sc.patch(model, tile_rows=8)
+    switched = {path: m for path, m in model.named_modules() if hasattr(type(m), "_swiglu_kind")}
+    assert switched and all(type(m).__reduce_ex__ is fused._reduce_switched for m in switched.values())
+    kinds = {type(m)._swiglu_kind for m in switched.values()}
+    assert kinds == ({"glu_mlp", "torchtitan"} if name in MOE else {"glu_mlp"})
+    settings = lambda m: (getattr(m, "tile_rows", None), getattr(m, "_swiglu_cupy_tile_rows", None))  # noqa: E731
+    for kind in kinds:
+        original = next(m for m in switched.values() if type(m)._swiglu_kind == kind)
+        loaded = pickle.loads(pickle.dumps(original))
+        assert type(loaded) is type(original) and settings(loaded) == settings(original) != (None, None)
+        assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), original.state_dict().values()))
+    toks = tokens(model)
+    expected = run(model, toks)
+    twin = copy.deepcopy(model)
+    assert [type(m) for m in twin.modules()] == [type(m) for m in model.modules()]
+    got = run(twin, toks)
+    assert torch.equal(got[0], expected[0])

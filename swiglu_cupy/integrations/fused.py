@@ -2,7 +2,11 @@
 installs it: a patched module becomes an instance of ``Fused<its class>``, a
 subclass with :class:`FusedGLUMLP`'s forward in front, whose per-instance
 :class:`~swiglu_cupy.integrations.recognition.GLUPlan` says which children
-hold the gate, the up and the down projection."""
+hold the gate, the up and the down projection.
+
+:func:`switched_class` is the one mechanism for such classes, here and for
+torchtitan's modules (``integrations.torchtitan``): one subclass per (kind,
+base), which records its base and pickles as an instance of it."""
 from __future__ import annotations
 
 import functools
@@ -78,9 +82,47 @@ class FusedGLUMLP(nn.Module):
         fused) or None (the original forward)."""
         return fusion_of(self, self.swiglu_plan)
 
-    def __reduce_ex__(self, protocol):
-        base = self._swiglu_base
-        return _rebuild, (base.__module__, base.__qualname__), self.__dict__.copy()
+
+# ---- switched classes: one mechanism for every kind -----------------------------------------
+
+#: Each kind's factory ``base -> switched class``, by name: a pickle loading
+#: in a fresh process imports it (no import cycle between the kinds' modules).
+SWITCH_FACTORIES = {"glu_mlp": (__name__, "fused_class"),
+                    "torchtitan": ("swiglu_cupy.integrations.torchtitan", "fused_torchtitan_class")}
+_SWITCHED: dict[tuple[str, type], type] = {}
+
+
+def switched_class(kind: str, base: type, make) -> type:
+    """The one subclass of ``base`` of this ``kind`` (a key of
+    ``SWITCH_FACTORIES``) that a module is switched to in place. The first
+    call makes it from ``make(base) -> (name, bases, namespace)``; it records
+    ``_swiglu_base`` and ``_swiglu_kind``, and pickles (``torch.save``,
+    ``copy.deepcopy``) as an instance of ``base`` switched back on load, so a
+    pickle names the original class and loads wherever that class imports."""
+    switched = _SWITCHED.get((kind, base))
+    if switched is None:
+        name, bases, namespace = make(base)
+        switched = type(name, bases, {**namespace, "_swiglu_base": base, "_swiglu_kind": kind,
+                                      "__reduce_ex__": _reduce_switched})
+        _SWITCHED[(kind, base)] = switched
+    return switched
+
+
+def _reduce_switched(self, protocol):
+    base = type(self)._swiglu_base
+    return _rebuild_switched, (type(self)._swiglu_kind, base.__module__, base.__qualname__), self.__dict__.copy()
+
+
+def _rebuild_switched(kind: str, module_name: str, qualname: str) -> nn.Module:
+    """Unpickling: an empty instance of the switched class of the named
+    original class (nn.Module.__setstate__ then restores its state)."""
+    factory_module, factory = SWITCH_FACTORIES[kind]
+    return object.__new__(getattr(importlib.import_module(factory_module), factory)(_resolve(module_name, qualname)))
+
+
+def _rebuild(module_name: str, qualname: str) -> FusedGLUMLP:
+    """What pickles written before ``switched_class`` name: a fused MLP."""
+    return _rebuild_switched("glu_mlp", module_name, qualname)
 
 
 def _resolve(module_name: str, qualname: str):
@@ -90,26 +132,15 @@ def _resolve(module_name: str, qualname: str):
     return obj
 
 
-def _rebuild(module_name: str, qualname: str) -> FusedGLUMLP:
-    """Unpickling: an empty instance of the fused class of the named original
-    class (which apply_to may have replaced by its fused class meanwhile)."""
-    return object.__new__(fused_class(_resolve(module_name, qualname)))
-
-
-_FUSED_CLASSES: dict[type, type] = {}
-
-
 def fused_class(cls: type) -> type:
-    """``Fused<cls>``: FusedGLUMLP's forward in front of ``cls``, one per class."""
+    """``Fused<cls>``: FusedGLUMLP's forward in front of ``cls``, one per class
+    (apply_to may have replaced the original class by it meanwhile)."""
     if issubclass(cls, FusedGLUMLP):
         return cls
-    fused = _FUSED_CLASSES.get(cls)
-    if fused is None:
-        fused = type(f"Fused{cls.__name__}", (FusedGLUMLP, cls),
-                     {"__module__": __name__, "_swiglu_base": cls,
-                      "__doc__": f"{cls.__name__} with swiglu_cupy's fused forward (see FusedGLUMLP)."})
-        _FUSED_CLASSES[cls] = fused
-    return fused
+    return switched_class("glu_mlp", cls, lambda base: (
+        f"Fused{base.__name__}", (FusedGLUMLP, base),
+        {"__module__": __name__,
+         "__doc__": f"{base.__name__} with swiglu_cupy's fused forward (see FusedGLUMLP)."}))
 
 
 def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, inplace_backward: bool,

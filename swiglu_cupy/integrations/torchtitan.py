@@ -61,6 +61,7 @@ from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts
 from .forward import linear_obstacle
+from .fused import switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
            "is_torchtitan_switchable", "torchtitan_base",
@@ -173,15 +174,14 @@ def _fused_swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 # ---- fused subclasses of torchtitan's classes ------------------------------------------------
 
-_FUSED_CLASSES: dict[type, type] = {}
-
-
 def _make_fused_class(base: type, forward) -> type:
     """``SwiGLUCupy<base>``: a subclass with ``forward`` replaced and its own
-    ``Config`` (so torchtitan's ``Config.build()`` builds it: the converter)."""
-    fused = _FUSED_CLASSES.get(base)
-    if fused is not None:
-        return fused
+    ``Config`` (so torchtitan's ``Config.build()`` builds it: the converter),
+    made once by the one switched-class mechanism (``fused.switched_class``)."""
+    return switched_class("torchtitan", base, lambda base: _fused_class_parts(base, forward))
+
+
+def _fused_class_parts(base: type, forward):
     name = f"SwiGLUCupy{base.__name__}"
     base_config = base.Config
     config_cls = dataclasses.dataclass(kw_only=True, slots=True)(
@@ -195,11 +195,8 @@ def _make_fused_class(base: type, forward) -> type:
         self._swiglu_cupy_recompute_gate_up = bool(getattr(config, "recompute_gate_up", False))
         self._swiglu_cupy_tile_rows = getattr(config, "tile_rows", None)
 
-    fused = type(name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
-                                 "__init__": __init__, "forward": forward, "_swiglu_cupy_base": base,
-                                 "__reduce_ex__": _reduce_ex, "parallelize": _parallelize})
-    _FUSED_CLASSES[base] = fused
-    return fused
+    return name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
+                           "__init__": __init__, "forward": forward, "parallelize": _parallelize}
 
 
 def _parallelize(self, parallel_dims) -> None:
@@ -207,21 +204,15 @@ def _parallelize(self, parallel_dims) -> None:
     projections' new forward wrappers do nothing, so the fused forward may
     still call the whole MLP on their weights (EP without TP: the dense
     FFNs stay fused)."""
-    type(self)._swiglu_cupy_base.parallelize(self, parallel_dims)
+    type(self)._swiglu_base.parallelize(self, parallel_dims)
     self._swiglu_cupy_noop_forwards = {
         name: m.__dict__["forward"] for name, m in self.named_children()
         if "forward" in m.__dict__ and _redistribution_is_noop(m, parallel_dims)}
 
 
-def _reduce_ex(self, protocol):
-    # Pickle / deepcopy name the torchtitan class (the fused class is made at
-    # run time); the copy is switched back to the fused class on load.
-    fn, args, *rest = object.__reduce_ex__(self, protocol)
-    base = type(self)._swiglu_cupy_base
-    return (_rebuild, (fn, (base, *args[1:]), rest[0] if rest else None))
-
-
 def _rebuild(fn, args, state):
+    """What pickles written before ``fused.switched_class`` name: rebuilt as the
+    torchtitan class, then switched."""
     obj = fn(*args)
     if state is not None:
         obj.__setstate__(state)
@@ -257,8 +248,6 @@ def fused_torchtitan_class(base: type) -> type:
     """The swiglu_cupy subclass of a torchtitan ``FeedForward``, ``GroupedExperts``,
     ``FusedSwiGLU`` or ``FusedGroupedExperts`` class (exactly those: a
     subclass with its own forward is not reproduced)."""
-    if base in _FUSED_CLASSES:
-        return _FUSED_CLASSES[base]
     if base in _experts_bases():
         return _make_fused_class(base, _experts_forward)
     if base is _fused_swiglu_base():
@@ -275,7 +264,7 @@ def fused_torchtitan_class(base: type) -> type:
 def _switchable_class_of(module: nn.Module) -> type | None:
     """The torchtitan class ``module`` is (or was switched from), if switched from its class alone."""
     cls = type(module)
-    base = getattr(cls, "_swiglu_cupy_base", cls)
+    base = getattr(cls, "_swiglu_base", cls)
     return base if base in _class_bases() else None
 
 
@@ -290,7 +279,7 @@ def is_torchtitan_switchable(module: nn.Module) -> bool:
 
 def torchtitan_base(module: nn.Module) -> type:
     """The torchtitan class a switched module came from (else its own class)."""
-    return getattr(type(module), "_swiglu_cupy_base", type(module))
+    return getattr(type(module), "_swiglu_base", type(module))
 
 
 def torchtitan_skip_reason(module: nn.Module) -> str | None:
@@ -301,7 +290,7 @@ def torchtitan_skip_reason(module: nn.Module) -> str | None:
     if not is_torchtitan_switchable(module):
         return None
     cls = type(module)
-    if getattr(cls, "_swiglu_cupy_base", None) in _class_bases():
+    if getattr(cls, "_swiglu_base", None) in _class_bases():
         return None
     base = _switchable_class_of(module)
     if base is None:
@@ -392,7 +381,7 @@ def _build_converter_class() -> type:
             bases = targets()
             for fqn, cfg, parent, attr in reversed(list(model_config.traverse(Module.Config, recurse=True))):
                 owner = type(cfg)._owner
-                if owner is None or getattr(owner, "_swiglu_cupy_base", None) is not None:
+                if owner is None or getattr(owner, "_swiglu_base", None) is not None:
                     continue
                 if owner not in bases:
                     if isinstance(owner, type) and issubclass(owner, (FeedForward, GroupedExperts)):
