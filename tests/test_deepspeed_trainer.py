@@ -13,16 +13,15 @@ ZeRO-2. The per-step losses (recorded in ``compute_loss``: the Trainer logs
 losses rounded to 4 digits) and the gathered parameters after training must
 agree, and the fused paths must have run (counted as in test_deepspeed.py).
 
-How the Trainer gets a DeepSpeed engine on a CPU-only machine: accelerate
-turns DeepSpeed on only ``not cpu`` (``TrainingArguments(use_cpu=True)``
-would silently train with DDP and ignore the config), and without an
-accelerator device it finds no distributed backend, so it would treat every
-rank as process 0 of 1. The supported way around both is accelerate's
-``use_configured_state``: a ``PartialState(backend="gloo")`` made with
-``ACCELERATE_USE_DEEPSPEED=true`` (what ``accelerate launch`` sets), then
-``TrainingArguments(deepspeed=..., accelerator_config={"use_configured_state":
-True})``. The Trainer then runs its own DeepSpeed path unchanged
-(``deepspeed_init``, ``engine.backward``/``step``). See docs/distributed.md.
+How the Trainer gets a DeepSpeed engine on a CPU-only machine (accelerate
+1.16, transformers 5.24): ``TrainingArguments(deepspeed=..., use_cpu=True)``.
+use_cpu makes accelerate's process state a gloo MULTI_CPU one (the right
+rank and world size) and the Trainer's Accelerator (made without cpu=True)
+still switches to DeepSpeed for the plugin. Without use_cpu, accelerate
+finds no device backend and counts each rank as process 0 of 1, and
+DeepSpeed refuses the batch sizes the Trainer filled in ("train_batch_size
+is not equal to micro_batch_per_gpu * gradient_acc_step * world_size").
+The test checks both states, so a change there fails here first.
 
 DeepSpeed activation checkpointing: ``deepspeed.checkpointing.configure``
 then ``deepspeed.checkpointing.checkpoint(layer, hidden, ...)`` around each
@@ -92,7 +91,6 @@ def _train_with_trainer(kind: str, stage: int, switch: str, patched: bool, world
 
     import swiglu_cupy as sc
 
-    _prepare_state()
     losses = []
 
     class LossRecordingTrainer(Trainer):
@@ -103,11 +101,14 @@ def _train_with_trainer(kind: str, stage: int, switch: str, patched: bool, world
 
     args = TrainingArguments(
         output_dir=str(out_dir), deepspeed=_trainer_ds_config(stage),
-        accelerator_config={"use_configured_state": True},
+        use_cpu=True,
         per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=LR, optim="sgd",
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0,
         logging_strategy="no", save_strategy="no", report_to=[], seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True)
+    # Read now: the Trainer's Accelerator turns this shared state into DeepSpeed's.
+    state = args.distributed_state
+    process_state = (str(state.distributed_type), state.num_processes, state.process_index)
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA) if kind == "llama" else MixtralConfig(**MIXTRAL)
     cls = LlamaForCausalLM if kind == "llama" else MixtralForCausalLM
@@ -120,7 +121,10 @@ def _train_with_trainer(kind: str, stage: int, switch: str, patched: bool, world
     trainer = LossRecordingTrainer(model=model, args=args, train_dataset=_dataset(world))
     counts = _Counts(monkeypatch) if patched else None
     trainer.train()
+    out["states"] = process_state + (str(trainer.accelerator.state.distributed_type),
+                                     trainer.accelerator.num_processes)
     out["engine"] = type(trainer.model_wrapped).__name__
+    out["engine_batch"] = (trainer.model_wrapped.dp_world_size, trainer.model_wrapped.train_batch_size())
     out["zero_stage"] = trainer.accelerator.state.deepspeed_plugin.zero_stage
     out["losses"] = torch.stack(losses)
     out["params"] = _gathered_params(trainer.model_wrapped)
@@ -183,25 +187,13 @@ def _train_with_ds_checkpointing(kind: str, patched: bool, rank: int, monkeypatc
     return out
 
 
-def _prepare_state():
-    from accelerate import PartialState
-    from accelerate.state import AcceleratorState
-
-    # A fresh state per Trainer, as TrainingArguments makes itself without
-    # use_configured_state (the same reset call): a second Accelerator refuses
-    # a deepspeed_plugin while the first one's state is alive.
-    AcceleratorState._reset_state(reset_partial_state=True)
-    # The state accelerate's launcher would make: DeepSpeed on, gloo for the collectives.
-    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(backend="gloo")
-    assert (state.num_processes, state.distributed_type) == (WORLD, "DEEPSPEED"), state
-    return state
-
-
 def run_case(case, rank: int, world: int) -> dict:
     import tempfile
 
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    # What torchrun would set (one host); accelerate's MULTI_CPU state reads
+    # LOCAL_WORLD_SIZE and MASTER_ADDR (the process group itself exists already).
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     import deepspeed
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
@@ -242,6 +234,9 @@ def test_trainer_with_deepspeed_trains_like_the_unpatched_model(ranks, name, kin
         plain, patched = results[name]
         # The Trainer trained through its DeepSpeed engine at the configured stage.
         assert plain["engine"] == patched["engine"] == "DeepSpeedEngine"
+        assert plain["states"] == patched["states"] == ("DistributedType.MULTI_CPU", WORLD, rank,
+                                                        "DistributedType.DEEPSPEED", WORLD)
+        assert plain["engine_batch"] == (WORLD, BATCH * WORLD)
         assert plain["zero_stage"] == patched["zero_stage"] == stage
         assert plain["partitioned"] == patched["partitioned"] == (stage == 3), \
             "under ZeRO-3 the Trainer's model is built partitioned (deepspeed.zero.Init)"
@@ -295,3 +290,18 @@ def test_deepspeed_activation_checkpointing_around_patched_layers(ranks, name, k
             assert patched["fusion"] == ["mlp"] * N_LAYERS
         else:
             assert counts == dict(whole=0, activation=0, experts=2 * N_LAYERS * STEPS), patched["report"]
+
+
+def test_the_parity_is_measured(ranks):
+    """The largest relative differences seen (printed with -s); the
+    tolerances are test_deepspeed.py's (the same ops, steps and layers)."""
+    worst_loss = worst_param = 0.0
+    for results in ranks:
+        for plain, patched in results.values():
+            worst_loss = max(worst_loss, ((plain["losses"] - patched["losses"]).abs()
+                                          / plain["losses"].abs()).max().item())
+            for key, a in plain["params"].items():
+                b = patched["params"][key]
+                worst_param = max(worst_param, ((a - b).abs().max() / a.abs().max()).item())
+    print(f"max relative diff: loss {worst_loss:.2e}, parameters {worst_param:.2e} (per tensor, vs its max)")
+    assert worst_loss < RTOL_FP32 and worst_param < RTOL_FP32
