@@ -1,0 +1,187 @@
+"""``swiglu_cupy.patch`` on the real model classes of three training libraries:
+litgpt, torchtune and OLMo-core. Each section builds the library's stock
+model from a tiny config with the library's own builders, patches it, and
+checks the report (every GLU feed-forward fused whole, the MoE experts fused
+or named with a reason, nothing left out silently) and the parity of logits
+and of every parameter gradient against an unpatched deepcopy, in fp32, also
+under the library's own activation checkpointing where it runs on the CPU.
+
+CI installs them (README command 1), with --no-deps so that the CPU torch stays:
+  litgpt:    pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
+(``import litgpt`` imports lightning, which imports torchmetrics and lightning_utilities.)
+
+Tolerances (fp32): the fused op computes each MLP with the same GEMMs but
+rounds ``act(gate) * up`` once where eager rounds twice and may sum in
+another order, so logits and gradients differ by a few ulps per layer.
+Every tensor must agree within ``GRAD_RTOL`` of its largest entry (about
+80 ulps of fp32: measured at most 3e-6 here); a wrong activation (GELU
+against its tanh form, 1e-3), a swapped gate/up or a lost gradient is
+orders of magnitude above it.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import swiglu_cupy as sc
+from swiglu_cupy.integrations.fused import FusedGLUMLP
+
+GRAD_RTOL = 1e-5
+VOCAB = 97
+
+
+def assert_model_parity(patched: nn.Module, reference: nn.Module, forward, loss=lambda y: y.square().mean()):
+    """Same output and the same gradient for every parameter (names and
+    presence included) from ``forward(model)`` on both models."""
+    out, ref_out = forward(patched), forward(reference)
+    assert_close_to_scale(out, ref_out, "output")
+    loss(out).backward()
+    loss(ref_out).backward()
+    ours, theirs = dict(patched.named_parameters()), dict(reference.named_parameters())
+    assert list(ours) == list(theirs)  # patching keeps every parameter, under its name
+    for name, ref_param in theirs.items():
+        grad, ref_grad = ours[name].grad, ref_param.grad
+        assert (grad is None) == (ref_grad is None), name
+        if ref_grad is not None:
+            assert_close_to_scale(grad, ref_grad, name)
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.float32, what
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= GRAD_RTOL * scale, f"{what}: max error {error:.3g}, {error / max(scale, 1e-30):.3g} of its scale"
+
+
+def assert_fused_whole(report, model: nn.Module, glu_classes: tuple[type, ...]) -> list[str]:
+    """Every module of ``glu_classes`` in ``model`` is in ``report.fused``
+    and runs the whole MLP fused; nothing was skipped or fused only in part."""
+    paths = [p for p, m in model.named_modules() if isinstance(m, glu_classes)]
+    assert paths, "the model holds none of the GLU classes: the config did not build what the test is about"
+    assert report.skipped == {} and report.partial == {} and report.pending == {}, str(report)
+    assert sorted(report.fused) == sorted(paths), str(report)
+    for path in paths:
+        module = model.get_submodule(path)
+        assert isinstance(module, FusedGLUMLP) and module.fusion() == "mlp", path
+    return paths
+
+
+# ---- litgpt ----------------------------------------------------------------------------------
+
+LITGPT_PIP = "pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0"
+
+
+@pytest.fixture(scope="module")
+def litgpt():
+    return pytest.importorskip("litgpt", reason=f"litgpt is not installed; CI installs it with: {LITGPT_PIP}")
+
+
+def litgpt_model(litgpt, name: str, **overrides):
+    """litgpt's stock GPT for a named config, shrunk to two tiny layers."""
+    import litgpt.model as lm
+    from litgpt.model import GPT
+
+    tiny = dict(n_layer=2, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64,
+                vocab_size=VOCAB, padded_vocab_size=128, block_size=16)
+    config = litgpt.Config.from_name(name, **{**tiny, **overrides})
+    torch.manual_seed(0)
+    model = GPT(config)
+    # GroupedTopkRouter's weight is torch.empty until litgpt's own init; the
+    # Linears keep torch's default init (larger than litgpt's std=0.02, so the
+    # activations reach past their linear range).
+    for module in model.modules():
+        if isinstance(module, lm.GroupedTopkRouter):
+            model._init_weights(module)
+    return model
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """litgpt's activation checkpointing: torch's ``checkpoint_wrapper`` around
+    every ``Block`` (its FSDP strategy's ``activation_checkpointing_policy={Block}``,
+    and what ``litgpt.finetune.lora.parallelize_fn`` does), here without FSDP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model.transformer.h = nn.ModuleList(checkpoint_wrapper(b, preserve_rng_state=False) for b in model.transformer.h)
+
+
+# name, overrides, the class of its feed-forward, the activation the probe must find
+LITGPT_DENSE = {
+    "llama": ("Llama-3.2-1B", {}, "LLaMAMLP", "silu"),
+    "gemma_tanh": ("Gemma-2b", {}, "GemmaMLP", "gelu_tanh"),  # Gemma's configs: gelu_approximate="tanh"
+    "gemma_exact_bias": ("Gemma-2b", dict(gelu_approximate="none", bias=True), "GemmaMLP", "gelu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LITGPT_DENSE))
+def test_litgpt_dense_mlps_are_fused_whole_with_parity(litgpt, case):
+    import litgpt.model as lm
+
+    name, overrides, cls_name, activation = LITGPT_DENSE[case]
+    model = litgpt_model(litgpt, name, **overrides)
+    assert model.config.mlp_class_name == cls_name
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (lm.LLaMAMLP,))  # GemmaMLP is a LLaMAMLP subclass
+    assert {report.classes[p] for p in paths} == {cls_name}
+    assert {str(model.get_submodule(p).swiglu_plan.activation) for p in paths} == {activation}
+    # litgpt's MLP names no roles: the probe picked fc_1 as the gate (F.silu/F.gelu(fc_1(x)) * fc_2(x))
+    assert {report.fused[p] for p in paths} == {f"{activation}: fc_1/fc_2 -> proj"}
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert_model_parity(model, reference, lambda m: m(idx))
+
+
+# Mixtral's router (a Linear, top-k then softmax); DeepSeek-style options of the
+# same LLaMAMoE: a shared expert, the grouped top-k router, a routed scale.
+LITGPT_MOE = {
+    "mixtral": ("Mixtral-8x7B-v0.1", dict(n_expert=4, n_expert_per_token=2, moe_intermediate_size=48)),
+    "shared_grouped": ("Qwen3-30B-A3B", dict(n_expert=8, n_expert_per_token=1, moe_intermediate_size=48,
+                                             n_shared_expert=1, n_expert_groups=2, n_topk_groups=1,
+                                             n_topk_scores_per_group=1, routed_scaling_factor=2.5)),
+}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("case", sorted(LITGPT_MOE))
+def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpointed):
+    """``LLaMAMoE`` is a router and a ModuleList of ``LLaMAMLP`` experts that it
+    calls on each expert's tokens: the walk passes the router by and fuses
+    every expert (and the shared one) as the dense GLU it is; the routing runs
+    as litgpt's own. Few tokens, so that some experts get none (an empty call)."""
+    import litgpt.model as lm
+
+    name, overrides = LITGPT_MOE[case]
+    model = litgpt_model(litgpt, name, **overrides)
+    reference = copy.deepcopy(model)
+    if checkpointed:  # wrapped first, then patched: the walk goes through the wrappers
+        checkpoint_blocks(model)
+        checkpoint_blocks(reference)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (lm.LLaMAMLP,))
+    moes = [m for m in model.modules() if isinstance(m, lm.LLaMAMoE)]
+    assert len(moes) == 2
+    experts_per_moe = model.config.n_expert + (1 if model.config.n_shared_expert else 0)
+    assert len(paths) == 2 * experts_per_moe
+    assert not any(isinstance(m, FusedGLUMLP) for m in moes)  # the router block itself runs as litgpt's
+    idx = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(2))
+    assert_model_parity(model, reference, lambda m: m(idx))
+    idle = [p for p in paths if model.get_submodule(p).proj.weight.grad.abs().max() == 0]
+    assert case != "shared_grouped" or idle, "every expert got tokens: the empty-call path went untested"
+
+
+def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt):
+    """Patched first, then wrapped by litgpt's checkpointing: the recompute in
+    backward runs the fused forward again (the fused modules stay fused)."""
+    import litgpt.model as lm
+
+    model = litgpt_model(litgpt, "Gemma-2b")
+    reference = copy.deepcopy(model)
+    assert len(sc.patch(model).fused) == 2
+    checkpoint_blocks(model)
+    checkpoint_blocks(reference)
+    again = sc.patch(model)
+    assert sorted(assert_fused_whole(again, model, (lm.LLaMAMLP,))) == sorted(again.already)
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    assert_model_parity(model, reference, lambda m: m(idx))
