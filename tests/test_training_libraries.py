@@ -21,16 +21,36 @@ orders of magnitude above it.
 from __future__ import annotations
 
 import copy
+import importlib
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import swiglu_cupy as sc
+from swiglu_cupy.integrations import forward as fused_forward
 from swiglu_cupy.integrations.fused import FusedGLUMLP
 
 GRAD_RTOL = 1e-5
 VOCAB = 97
+
+
+@pytest.fixture
+def whole_mlp_calls(monkeypatch):
+    """How many times the whole-MLP fused op ran (unpacked gate/up, as every
+    library here has): parity alone cannot tell it from the module's own
+    forward, as on the CPU the two can agree to the last bit."""
+    calls = []
+    real = fused_forward.swiglu_unpacked
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0] if x.dim() == 2 else x.shape[:-1].numel())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused_forward, "swiglu_unpacked", counting)
+    return calls
 
 
 def assert_model_parity(patched: nn.Module, reference: nn.Module, forward, loss=lambda y: y.square().mean()):
@@ -116,7 +136,7 @@ LITGPT_DENSE = {
 
 
 @pytest.mark.parametrize("case", sorted(LITGPT_DENSE))
-def test_litgpt_dense_mlps_are_fused_whole_with_parity(litgpt, case):
+def test_litgpt_dense_mlps_are_fused_whole_with_parity(litgpt, case, whole_mlp_calls):
     import litgpt.model as lm
 
     name, overrides, cls_name, activation = LITGPT_DENSE[case]
@@ -130,7 +150,9 @@ def test_litgpt_dense_mlps_are_fused_whole_with_parity(litgpt, case):
     # litgpt's MLP names no roles: the probe picked fc_1 as the gate (F.silu/F.gelu(fc_1(x)) * fc_2(x))
     assert {report.fused[p] for p in paths} == {f"{activation}: fc_1/fc_2 -> proj"}
     idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    whole_mlp_calls.clear()  # the probe ran the fused op too
     assert_model_parity(model, reference, lambda m: m(idx))
+    assert whole_mlp_calls == [24] * len(paths)
 
 
 # Mixtral's router (a Linear, top-k then softmax); DeepSeek-style options of the
@@ -145,7 +167,7 @@ LITGPT_MOE = {
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
 @pytest.mark.parametrize("case", sorted(LITGPT_MOE))
-def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpointed):
+def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpointed, whole_mlp_calls):
     """``LLaMAMoE`` is a router and a ModuleList of ``LLaMAMLP`` experts that it
     calls on each expert's tokens: the walk passes the router by and fuses
     every expert (and the shared one) as the dense GLU it is; the routing runs
@@ -166,12 +188,16 @@ def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpoint
     assert len(paths) == 2 * experts_per_moe
     assert not any(isinstance(m, FusedGLUMLP) for m in moes)  # the router block itself runs as litgpt's
     idx = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(2))
+    whole_mlp_calls.clear()
     assert_model_parity(model, reference, lambda m: m(idx))
+    # every expert is called once per forward (litgpt loops over all of them),
+    # and again by the checkpoint's recompute in backward
+    assert len(whole_mlp_calls) == len(paths) * (2 if checkpointed else 1)
     idle = [p for p in paths if model.get_submodule(p).proj.weight.grad.abs().max() == 0]
     assert case != "shared_grouped" or idle, "every expert got tokens: the empty-call path went untested"
 
 
-def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt):
+def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
     """Patched first, then wrapped by litgpt's checkpointing: the recompute in
     backward runs the fused forward again (the fused modules stay fused)."""
     import litgpt.model as lm
@@ -184,4 +210,124 @@ def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt):
     again = sc.patch(model)
     assert sorted(assert_fused_whole(again, model, (lm.LLaMAMLP,))) == sorted(again.already)
     idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    whole_mlp_calls.clear()
     assert_model_parity(model, reference, lambda m: m(idx))
+    assert len(whole_mlp_calls) == 2 * 2  # two blocks, each run again in backward
+
+
+# ---- torchtune -------------------------------------------------------------------------------
+
+TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 torchao==0.13.0 omegaconf==2.3.0 "
+                 "antlr4-python3-runtime==4.9.3 sentencepiece==0.2.3 tiktoken==0.14.0")
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+
+
+@pytest.fixture(scope="module")
+def torchtune():
+    """torchtune, imported with the ``datasets`` stand-in (tests/stand_ins)
+    when Hugging Face ``datasets`` is not installed: ``import torchtune``
+    imports its dataset builders, which import ``datasets`` (and with it
+    pyarrow and pandas), that no model here uses. The stand-in is gone from
+    ``sys.modules`` and ``sys.path`` again once torchtune is imported."""
+    if importlib.util.find_spec("torchtune") is None:
+        pytest.skip(f"torchtune is not installed; CI installs it with: {TORCHTUNE_PIP}")
+    stand_in = importlib.util.find_spec("datasets") is None
+    if stand_in:
+        sys.path.insert(0, str(STAND_INS))
+    try:
+        module = importlib.import_module("torchtune")
+        importlib.import_module("torchtune.training")
+    finally:
+        if stand_in:
+            sys.path.remove(str(STAND_INS))
+            for name in [n for n in sys.modules if n == "datasets" or n.startswith("datasets.")]:
+                del sys.modules[name]
+    return module
+
+
+TUNE_V = VOCAB
+
+
+def torchtune_model(torchtune, family: str):
+    """torchtune's stock decoder of ``family`` from its component builder, tiny."""
+    from torchtune.models.gemma import gemma
+    from torchtune.models.gemma2 import gemma2
+    from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+    from torchtune.models.phi3 import phi3
+    from torchtune.models.qwen2 import qwen2
+
+    dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
+                intermediate_dim=64)
+    builders = {
+        "llama3_2": lambda: llama3_2(**dims),
+        "qwen2": lambda: qwen2(**dims),
+        "phi3": lambda: phi3(**dims),
+        "gemma": lambda: gemma(head_dim=8, **dims),
+        "gemma2": lambda: gemma2(head_dim=8, **dims),
+        "lora_llama3_2": lambda: lora_llama3_2(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
+                                               lora_rank=4, lora_alpha=8, **dims),
+    }
+    torch.manual_seed(0)
+    return builders[family]()
+
+
+# family -> the activation torchtune's builder gives its FeedForward
+TORCHTUNE_DENSE = {"llama3_2": "silu", "qwen2": "silu", "phi3": "silu", "gemma": "gelu_tanh", "gemma2": "gelu_tanh"}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("family", sorted(TORCHTUNE_DENSE))
+def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, checkpointed, whole_mlp_calls):
+    """torchtune's ``FeedForward`` (``w1``/``w3``/``w2`` and an ``activation``
+    module, roles named by nothing): the probe picks w1 as the gate. Under
+    ``torchtune.training.set_activation_checkpointing`` on every
+    ``TransformerSelfAttentionLayer``, as its recipes call it."""
+    from torchtune.modules import FeedForward, TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    model = torchtune_model(torchtune, family)
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (FeedForward,))
+    activation = TORCHTUNE_DENSE[family]
+    assert {report.fused[p] for p in paths} == {f"{activation}: w1/w3 -> w2"}
+    if checkpointed:  # patched first, then wrapped: the fused modules run inside torchtune's checkpoint
+        for m in (model, reference):
+            set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+        assert all("_checkpoint_wrapped_module" in p for p, m in model.named_modules() if isinstance(m, FeedForward))
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
+
+
+def test_torchtune_lora_feed_forward_fuses_the_activation_and_says_why(torchtune):
+    """``lora_llama3_2(apply_lora_to_mlp=True)``: w1/w3/w2 are ``LoRALinear``,
+    which run as themselves; only ``act(gate) * up`` is fused, and the report
+    says so (``partial``), with parity."""
+    from torchtune.modules import FeedForward
+
+    model = torchtune_model(torchtune, "lora_llama3_2")
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = [p for p, m in model.named_modules() if isinstance(m, FeedForward)]
+    assert report.fused == {} and report.skipped == {} and sorted(report.partial) == sorted(paths) and paths
+    for path in paths:
+        assert "LoRALinear is not an nn.Linear" in report.partial[path]
+        assert model.get_submodule(path).fusion() == "activation"
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert_model_parity(model, reference, lambda m: m(tokens))
+
+
+def test_torchtune_ungated_feed_forward_is_left_as_it_is(torchtune):
+    """torchtune's ``FeedForward`` without ``up_proj`` (CLIP's MLP) is
+    ``w2(act(w1(x)))``, no GLU: w1's output is w2's input, never twice it, so
+    no packed layout fits and the walk does not take it for a feed-forward
+    to fuse (nor report it: it is not a GLU)."""
+    from torchtune.modules import FeedForward
+
+    torch.manual_seed(0)
+    ungated = FeedForward(gate_proj=nn.Linear(16, 64), down_proj=nn.Linear(64, 16), activation=nn.GELU())
+    report = sc.patch(ungated)
+    assert len(report) == 0 and report.skipped == {}, report
+    assert type(ungated) is FeedForward
