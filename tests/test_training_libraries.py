@@ -331,3 +331,113 @@ def test_torchtune_ungated_feed_forward_is_left_as_it_is(torchtune):
     report = sc.patch(ungated)
     assert len(report) == 0 and report.skipped == {}, report
     assert type(ungated) is FeedForward
+
+
+# ---- OLMo-core -------------------------------------------------------------------------------
+
+OLMO_CORE_PIP = ("pip install --no-deps ai2-olmo-core==3.0.0 dataclass-extensions==0.5.0 bettermap==1.3.1 "
+                 "dill==0.4.1 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.2 certifi==2026.10.19.post1")
+
+
+@pytest.fixture(scope="module")
+def olmo_core():
+    """OLMo-core, imported with the ``cached_path`` stand-in (tests/stand_ins)
+    when ``cached_path`` is not installed: the real one imports the Google
+    Cloud, AWS and Hugging Face clients at its import, and OLMo-core's config
+    module imports it at its own; no model here reads a remote file. The
+    stand-in is gone from ``sys.modules`` and ``sys.path`` again once
+    OLMo-core's transformer is imported."""
+    if importlib.util.find_spec("olmo_core") is None:
+        pytest.skip(f"ai2-olmo-core is not installed; CI installs it with: {OLMO_CORE_PIP}")
+    stand_in = importlib.util.find_spec("cached_path") is None
+    if stand_in:
+        sys.path.insert(0, str(STAND_INS))
+    try:
+        module = importlib.import_module("olmo_core.nn.transformer")
+    finally:
+        if stand_in:
+            sys.path.remove(str(STAND_INS))
+            for name in [n for n in sys.modules if n == "cached_path" or n.startswith("cached_path.")]:
+                del sys.modules[name]
+    return module
+
+
+def olmo_model(olmo_core, builder: str, **overrides):
+    """OLMo-core's stock transformer from one of its config builders, tiny,
+    built and initialised on the CPU as its trainer does."""
+    make = getattr(olmo_core.TransformerConfig, builder)
+    config = make(d_model=32, vocab_size=128, n_layers=2, n_heads=4, **overrides)
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    model.init_weights(device=torch.device("cpu"))
+    return model
+
+
+OLMO_DENSE = {
+    "llama_silu": ("llama_like", dict(hidden_size_multiple_of=16), "silu"),
+    "gemma3_gelu_tanh": ("gemma3_like", dict(n_kv_heads=2, hidden_size=64), "gelu_tanh"),
+}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("case", sorted(OLMO_DENSE))
+def test_olmo_core_feed_forwards_are_fused_whole_with_parity(olmo_core, case, checkpointed, whole_mlp_calls):
+    """OLMo-core's ``FeedForward`` (``w1``/``w3``/``w2`` and an
+    ``activation_fn`` function, F.silu or tanh-GELU): the probe identifies
+    the function by value and picks w1 as the gate. Checkpointed by the
+    model's own ``apply_activation_checkpointing("full")``."""
+    from olmo_core.nn.feed_forward import FeedForward
+
+    builder, overrides, activation = OLMO_DENSE[case]
+    model = olmo_model(olmo_core, builder, **overrides)
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (FeedForward,))
+    assert {report.fused[p] for p in paths} == {f"{activation}: w1/w3 -> w2"}
+    if checkpointed:
+        for m in (model, reference):
+            m.apply_activation_checkpointing("full")
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
+
+
+def test_olmo_core_normalized_feed_forward_is_skipped_with_its_reason(olmo_core):
+    """nGPT's ``NormalizedFeedForward`` scales w1 and w3 by parameters of
+    its own (``sw1``, ``sw3``) that the fused forward would not use: the
+    report names it skipped, and its forward is untouched."""
+    from olmo_core.nn.feed_forward import NormalizedFeedForward
+
+    model = olmo_model(olmo_core, "ngpt_like")
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
+    assert paths and len(report) == 0 and sorted(report.skipped) == sorted(paths)
+    assert all(report.skipped[p] == "has parameters or buffers of its own" for p in paths)
+    assert not any(isinstance(m, FusedGLUMLP) for m in model.modules())
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    assert_model_parity(model, reference, lambda m: m(tokens))
+
+
+def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_core):
+    """``llama_like_moe``: each block's ``MoE`` holds a router, a
+    ``ParallelMLP`` whose ``MoEMLP`` keeps every expert's w1/w2/w3 stacked in
+    three 2-D parameters (no projection modules: nothing the walk can take
+    for a GLU), and a ``shared_mlp`` ``FeedForward``, which is fused. The
+    MoE forward cannot run on the CPU (its token gather is a Triton kernel),
+    so only the shared MLP is checked, on its own, against its unpatched copy."""
+    from olmo_core.nn.feed_forward import FeedForward
+    from olmo_core.nn.moe.mlp import MoEMLP
+
+    model = olmo_model(olmo_core, "llama_like_moe", num_experts=4, top_k=2, expert_hidden_size=48,
+                       shared_expert_hidden_size=40, capacity_factor=2.0, hidden_size_multiple_of=16)
+    shared = {p: copy.deepcopy(m) for p, m in model.named_modules() if isinstance(m, FeedForward)}
+    report = sc.patch(model)
+    assert sorted(assert_fused_whole(report, model, (FeedForward,))) == sorted(shared)
+    assert all(p.endswith("feed_forward_moe.shared_mlp") for p in shared)
+    stacked = [p for p, m in model.named_modules() if isinstance(m, MoEMLP)]
+    assert len(stacked) == 2 and not any(p in report.fused or p.startswith(tuple(report.fused)) for p in stacked)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
+    for path, reference in shared.items():
+        assert_model_parity(model.get_submodule(path), reference, lambda m: m(x))
