@@ -20,6 +20,7 @@ orders of magnitude above it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import sys
@@ -217,32 +218,45 @@ def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
 
 # ---- torchtune -------------------------------------------------------------------------------
 
-TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 torchao==0.13.0 omegaconf==2.3.0 "
-                 "antlr4-python3-runtime==4.9.3 sentencepiece==0.2.3 tiktoken==0.14.0")
+TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 "
+                 "sentencepiece==0.2.3 tiktoken==0.14.0")
+# Imported through a stand-in when not installed (tests/stand_ins): see the fixture.
+TORCHTUNE_STAND_INS = ("datasets", "torchao")
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
 @pytest.fixture(scope="module")
 def torchtune():
-    """torchtune, imported with the ``datasets`` stand-in (tests/stand_ins)
-    when Hugging Face ``datasets`` is not installed: ``import torchtune``
-    imports its dataset builders, which import ``datasets`` (and with it
-    pyarrow and pandas), that no model here uses. The stand-in is gone from
-    ``sys.modules`` and ``sys.path`` again once torchtune is imported."""
+    """torchtune, imported with stand-ins (tests/stand_ins) for what is not
+    installed of: Hugging Face ``datasets`` (torchtune's dataset builders
+    import it at import time; it brings pyarrow and pandas) and ``torchao``
+    (torchtune imports its NF4 tensor at import time; the torchao that has it
+    breaks peft's import, see the stand-in). No model here uses either. The
+    stand-ins are gone from ``sys.modules`` and ``sys.path`` again once
+    torchtune's models are imported, so nothing else in the session sees them."""
     if importlib.util.find_spec("torchtune") is None:
         pytest.skip(f"torchtune is not installed; CI installs it with: {TORCHTUNE_PIP}")
-    stand_in = importlib.util.find_spec("datasets") is None
-    if stand_in:
+    with stand_ins_for_import(TORCHTUNE_STAND_INS):
+        module = importlib.import_module("torchtune")
+        for name in ("models.gemma", "models.gemma2", "models.llama3_2", "models.phi3", "models.qwen2", "modules"):
+            importlib.import_module(f"torchtune.{name}")
+    return module
+
+
+@contextlib.contextmanager
+def stand_ins_for_import(names):
+    """Put tests/stand_ins on ``sys.path`` for those of ``names`` that are not
+    installed, and take them out of ``sys.path`` and ``sys.modules`` after."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
         sys.path.insert(0, str(STAND_INS))
     try:
-        module = importlib.import_module("torchtune")
-        importlib.import_module("torchtune.training")
+        yield
     finally:
-        if stand_in:
+        if missing:
             sys.path.remove(str(STAND_INS))
-            for name in [n for n in sys.modules if n == "datasets" or n.startswith("datasets.")]:
+            for name in [m for m in sys.modules if m.split(".")[0] in missing]:
                 del sys.modules[name]
-    return module
 
 
 TUNE_V = VOCAB
@@ -280,10 +294,12 @@ TORCHTUNE_DENSE = {"llama3_2": "silu", "qwen2": "silu", "phi3": "silu", "gemma":
 def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, checkpointed, whole_mlp_calls):
     """torchtune's ``FeedForward`` (``w1``/``w3``/``w2`` and an ``activation``
     module, roles named by nothing): the probe picks w1 as the gate. Under
-    ``torchtune.training.set_activation_checkpointing`` on every
-    ``TransformerSelfAttentionLayer``, as its recipes call it."""
+    torchtune's activation checkpointing as its recipes set it
+    (``set_activation_checkpointing``: torch's ``apply_activation_checkpointing``
+    on every ``TransformerSelfAttentionLayer``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from torchtune.modules import FeedForward, TransformerSelfAttentionLayer
-    from torchtune.training import set_activation_checkpointing
 
     model = torchtune_model(torchtune, family)
     reference = copy.deepcopy(model)
@@ -293,7 +309,9 @@ def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, 
     assert {report.fused[p] for p in paths} == {f"{activation}: w1/w3 -> w2"}
     if checkpointed:  # patched first, then wrapped: the fused modules run inside torchtune's checkpoint
         for m in (model, reference):
-            set_activation_checkpointing(m, auto_wrap_policy={TransformerSelfAttentionLayer})
+            # torchtune.training.set_activation_checkpointing(m, {TransformerSelfAttentionLayer}) is these
+            # two torch calls; torchtune.training itself imports torchao's quantizers
+            apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
         assert all("_checkpoint_wrapped_module" in p for p, m in model.named_modules() if isinstance(m, FeedForward))
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     whole_mlp_calls.clear()
@@ -349,16 +367,8 @@ def olmo_core():
     OLMo-core's transformer is imported."""
     if importlib.util.find_spec("olmo_core") is None:
         pytest.skip(f"ai2-olmo-core is not installed; CI installs it with: {OLMO_CORE_PIP}")
-    stand_in = importlib.util.find_spec("cached_path") is None
-    if stand_in:
-        sys.path.insert(0, str(STAND_INS))
-    try:
+    with stand_ins_for_import(("cached_path",)):
         module = importlib.import_module("olmo_core.nn.transformer")
-    finally:
-        if stand_in:
-            sys.path.remove(str(STAND_INS))
-            for name in [n for n in sys.modules if n == "cached_path" or n.startswith("cached_path.")]:
-                del sys.modules[name]
     return module
 
 
@@ -441,3 +451,15 @@ def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
     for path, reference in shared.items():
         assert_model_parity(model.get_submodule(path), reference, lambda m: m(x))
+
+
+def test_stand_ins_leave_nothing_behind(torchtune, olmo_core):
+    """After the imports, the stand-ins cannot be found or imported by
+    anything else in the session (peft checks for torchao, transformers for
+    datasets): only the libraries' modules keep the names they took."""
+    assert str(STAND_INS) not in sys.path
+    for name in (*TORCHTUNE_STAND_INS, "cached_path"):
+        module = sys.modules.get(name)
+        assert module is None or STAND_INS not in Path(module.__file__).parents, name
+        spec = importlib.util.find_spec(name)
+        assert spec is None or STAND_INS not in Path(spec.origin).parents, name
