@@ -1,0 +1,465 @@
+"""``swiglu_cupy.patch`` on the real model classes of three training libraries:
+litgpt, torchtune and OLMo-core. Each section builds the library's stock
+model from a tiny config with the library's own builders, patches it, and
+checks the report (every GLU feed-forward fused whole, the MoE experts fused
+or named with a reason, nothing left out silently) and the parity of logits
+and of every parameter gradient against an unpatched deepcopy, in fp32, also
+under the library's own activation checkpointing where it runs on the CPU.
+
+CI installs them (README command 1), with --no-deps so that the CPU torch stays:
+  litgpt:    pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
+(``import litgpt`` imports lightning, which imports torchmetrics and lightning_utilities.)
+
+Tolerances (fp32): the fused op computes each MLP with the same GEMMs but
+rounds ``act(gate) * up`` once where eager rounds twice and may sum in
+another order, so logits and gradients differ by a few ulps per layer.
+Every tensor must agree within ``GRAD_RTOL`` of its largest entry (about
+80 ulps of fp32: measured at most 3e-6 here); a wrong activation (GELU
+against its tanh form, 1e-3), a swapped gate/up or a lost gradient is
+orders of magnitude above it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import swiglu_cupy as sc
+from swiglu_cupy.integrations import forward as fused_forward
+from swiglu_cupy.integrations.fused import FusedGLUMLP
+
+GRAD_RTOL = 1e-5
+VOCAB = 97
+
+
+@pytest.fixture
+def whole_mlp_calls(monkeypatch):
+    """How many times the whole-MLP fused op ran (unpacked gate/up, as every
+    library here has): parity alone cannot tell it from the module's own
+    forward, as on the CPU the two can agree to the last bit."""
+    calls = []
+    real = fused_forward.swiglu_unpacked
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0] if x.dim() == 2 else x.shape[:-1].numel())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fused_forward, "swiglu_unpacked", counting)
+    return calls
+
+
+def assert_model_parity(patched: nn.Module, reference: nn.Module, forward, loss=lambda y: y.square().mean()):
+    """Same output and the same gradient for every parameter (names and
+    presence included) from ``forward(model)`` on both models."""
+    out, ref_out = forward(patched), forward(reference)
+    assert_close_to_scale(out, ref_out, "output")
+    loss(out).backward()
+    loss(ref_out).backward()
+    ours, theirs = dict(patched.named_parameters()), dict(reference.named_parameters())
+    assert list(ours) == list(theirs)  # patching keeps every parameter, under its name
+    for name, ref_param in theirs.items():
+        grad, ref_grad = ours[name].grad, ref_param.grad
+        assert (grad is None) == (ref_grad is None), name
+        if ref_grad is not None:
+            assert_close_to_scale(grad, ref_grad, name)
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype == torch.float32, what
+    scale = expected.abs().max().item()
+    error = (actual - expected).abs().max().item()
+    assert error <= GRAD_RTOL * scale, f"{what}: max error {error:.3g}, {error / max(scale, 1e-30):.3g} of its scale"
+
+
+def assert_fused_whole(report, model: nn.Module, glu_classes: tuple[type, ...]) -> list[str]:
+    """Every module of ``glu_classes`` in ``model`` is in ``report.fused``
+    and runs the whole MLP fused; nothing was skipped or fused only in part."""
+    paths = [p for p, m in model.named_modules() if isinstance(m, glu_classes)]
+    assert paths, "the model holds none of the GLU classes: the config did not build what the test is about"
+    assert report.skipped == {} and report.partial == {} and report.pending == {}, str(report)
+    assert sorted(report.fused) == sorted(paths), str(report)
+    for path in paths:
+        module = model.get_submodule(path)
+        assert isinstance(module, FusedGLUMLP) and module.fusion() == "mlp", path
+    return paths
+
+
+# ---- litgpt ----------------------------------------------------------------------------------
+
+LITGPT_PIP = "pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0"
+
+
+@pytest.fixture(scope="module")
+def litgpt():
+    return pytest.importorskip("litgpt", reason=f"litgpt is not installed; CI installs it with: {LITGPT_PIP}")
+
+
+def litgpt_model(litgpt, name: str, **overrides):
+    """litgpt's stock GPT for a named config, shrunk to two tiny layers."""
+    import litgpt.model as lm
+    from litgpt.model import GPT
+
+    tiny = dict(n_layer=2, n_embd=32, n_head=4, n_query_groups=2, head_size=8, intermediate_size=64,
+                vocab_size=VOCAB, padded_vocab_size=128, block_size=16)
+    config = litgpt.Config.from_name(name, **{**tiny, **overrides})
+    torch.manual_seed(0)
+    model = GPT(config)
+    # GroupedTopkRouter's weight is torch.empty until litgpt's own init; the
+    # Linears keep torch's default init (larger than litgpt's std=0.02, so the
+    # activations reach past their linear range).
+    for module in model.modules():
+        if isinstance(module, lm.GroupedTopkRouter):
+            model._init_weights(module)
+    return model
+
+
+def checkpoint_blocks(model: nn.Module) -> None:
+    """litgpt's activation checkpointing: torch's ``checkpoint_wrapper`` around
+    every ``Block`` (its FSDP strategy's ``activation_checkpointing_policy={Block}``,
+    and what ``litgpt.finetune.lora.parallelize_fn`` does), here without FSDP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model.transformer.h = nn.ModuleList(checkpoint_wrapper(b, preserve_rng_state=False) for b in model.transformer.h)
+
+
+# name, overrides, the class of its feed-forward, the activation the probe must find
+LITGPT_DENSE = {
+    "llama": ("Llama-3.2-1B", {}, "LLaMAMLP", "silu"),
+    "gemma_tanh": ("Gemma-2b", {}, "GemmaMLP", "gelu_tanh"),  # Gemma's configs: gelu_approximate="tanh"
+    "gemma_exact_bias": ("Gemma-2b", dict(gelu_approximate="none", bias=True), "GemmaMLP", "gelu"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LITGPT_DENSE))
+def test_litgpt_dense_mlps_are_fused_whole_with_parity(litgpt, case, whole_mlp_calls):
+    import litgpt.model as lm
+
+    name, overrides, cls_name, activation = LITGPT_DENSE[case]
+    model = litgpt_model(litgpt, name, **overrides)
+    assert model.config.mlp_class_name == cls_name
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (lm.LLaMAMLP,))  # GemmaMLP is a LLaMAMLP subclass
+    assert {report.classes[p] for p in paths} == {cls_name}
+    assert {str(model.get_submodule(p).swiglu_plan.activation) for p in paths} == {activation}
+    # litgpt's MLP names no roles: the probe picked fc_1 as the gate (F.silu/F.gelu(fc_1(x)) * fc_2(x))
+    assert {report.fused[p] for p in paths} == {f"{activation}: fc_1/fc_2 -> proj"}
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    whole_mlp_calls.clear()  # the probe ran the fused op too
+    assert_model_parity(model, reference, lambda m: m(idx))
+    assert whole_mlp_calls == [24] * len(paths)
+
+
+# Mixtral's router (a Linear, top-k then softmax); DeepSeek-style options of the
+# same LLaMAMoE: a shared expert, the grouped top-k router, a routed scale.
+LITGPT_MOE = {
+    "mixtral": ("Mixtral-8x7B-v0.1", dict(n_expert=4, n_expert_per_token=2, moe_intermediate_size=48)),
+    "shared_grouped": ("Qwen3-30B-A3B", dict(n_expert=8, n_expert_per_token=1, moe_intermediate_size=48,
+                                             n_shared_expert=1, n_expert_groups=2, n_topk_groups=1,
+                                             n_topk_scores_per_group=1, routed_scaling_factor=2.5)),
+}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("case", sorted(LITGPT_MOE))
+def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpointed, whole_mlp_calls):
+    """``LLaMAMoE`` is a router and a ModuleList of ``LLaMAMLP`` experts that it
+    calls on each expert's tokens: the walk passes the router by and fuses
+    every expert (and the shared one) as the dense GLU it is; the routing runs
+    as litgpt's own. Few tokens, so that some experts get none (an empty call)."""
+    import litgpt.model as lm
+
+    name, overrides = LITGPT_MOE[case]
+    model = litgpt_model(litgpt, name, **overrides)
+    reference = copy.deepcopy(model)
+    if checkpointed:  # wrapped first, then patched: the walk goes through the wrappers
+        checkpoint_blocks(model)
+        checkpoint_blocks(reference)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (lm.LLaMAMLP,))
+    moes = [m for m in model.modules() if isinstance(m, lm.LLaMAMoE)]
+    assert len(moes) == 2
+    experts_per_moe = model.config.n_expert + (1 if model.config.n_shared_expert else 0)
+    assert len(paths) == 2 * experts_per_moe
+    assert not any(isinstance(m, FusedGLUMLP) for m in moes)  # the router block itself runs as litgpt's
+    idx = torch.randint(0, VOCAB, (1, 3), generator=torch.Generator().manual_seed(2))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(idx))
+    # every expert is called once per forward (litgpt loops over all of them),
+    # and again by the checkpoint's recompute in backward
+    assert len(whole_mlp_calls) == len(paths) * (2 if checkpointed else 1)
+    idle = [p for p in paths if model.get_submodule(p).proj.weight.grad.abs().max() == 0]
+    assert case != "shared_grouped" or idle, "every expert got tokens: the empty-call path went untested"
+
+
+def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
+    """Patched first, then wrapped by litgpt's checkpointing: the recompute in
+    backward runs the fused forward again (the fused modules stay fused)."""
+    import litgpt.model as lm
+
+    model = litgpt_model(litgpt, "Gemma-2b")
+    reference = copy.deepcopy(model)
+    assert len(sc.patch(model).fused) == 2
+    checkpoint_blocks(model)
+    checkpoint_blocks(reference)
+    again = sc.patch(model)
+    assert sorted(assert_fused_whole(again, model, (lm.LLaMAMLP,))) == sorted(again.already)
+    idx = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(idx))
+    assert len(whole_mlp_calls) == 2 * 2  # two blocks, each run again in backward
+
+
+# ---- torchtune -------------------------------------------------------------------------------
+
+TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 "
+                 "sentencepiece==0.2.3 tiktoken==0.14.0")
+# Imported through a stand-in when not installed (tests/stand_ins): see the fixture.
+TORCHTUNE_STAND_INS = ("datasets", "torchao")
+STAND_INS = Path(__file__).resolve().parent / "stand_ins"
+
+
+@pytest.fixture(scope="module")
+def torchtune():
+    """torchtune, imported with stand-ins (tests/stand_ins) for what is not
+    installed of: Hugging Face ``datasets`` (torchtune's dataset builders
+    import it at import time; it brings pyarrow and pandas) and ``torchao``
+    (torchtune imports its NF4 tensor at import time; the torchao that has it
+    breaks peft's import, see the stand-in). No model here uses either. The
+    stand-ins are gone from ``sys.modules`` and ``sys.path`` again once
+    torchtune's models are imported, so nothing else in the session sees them."""
+    if importlib.util.find_spec("torchtune") is None:
+        pytest.skip(f"torchtune is not installed; CI installs it with: {TORCHTUNE_PIP}")
+    with stand_ins_for_import(TORCHTUNE_STAND_INS):
+        module = importlib.import_module("torchtune")
+        for name in ("models.gemma", "models.gemma2", "models.llama3_2", "models.phi3", "models.qwen2", "modules"):
+            importlib.import_module(f"torchtune.{name}")
+    return module
+
+
+@contextlib.contextmanager
+def stand_ins_for_import(names):
+    """Put tests/stand_ins on ``sys.path`` for those of ``names`` that are not
+    installed, and take them out of ``sys.path`` and ``sys.modules`` after."""
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        sys.path.insert(0, str(STAND_INS))
+    try:
+        yield
+    finally:
+        if missing:
+            sys.path.remove(str(STAND_INS))
+            for name in [m for m in sys.modules if m.split(".")[0] in missing]:
+                del sys.modules[name]
+
+
+TUNE_V = VOCAB
+
+
+def torchtune_model(torchtune, family: str):
+    """torchtune's stock decoder of ``family`` from its component builder, tiny."""
+    from torchtune.models.gemma import gemma
+    from torchtune.models.gemma2 import gemma2
+    from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+    from torchtune.models.phi3 import phi3
+    from torchtune.models.qwen2 import qwen2
+
+    dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
+                intermediate_dim=64)
+    builders = {
+        "llama3_2": lambda: llama3_2(**dims),
+        "qwen2": lambda: qwen2(**dims),
+        "phi3": lambda: phi3(**dims),
+        "gemma": lambda: gemma(head_dim=8, **dims),
+        "gemma2": lambda: gemma2(head_dim=8, **dims),
+        "lora_llama3_2": lambda: lora_llama3_2(lora_attn_modules=["q_proj", "v_proj"], apply_lora_to_mlp=True,
+                                               lora_rank=4, lora_alpha=8, **dims),
+    }
+    torch.manual_seed(0)
+    return builders[family]()
+
+
+# family -> the activation torchtune's builder gives its FeedForward
+TORCHTUNE_DENSE = {"llama3_2": "silu", "qwen2": "silu", "phi3": "silu", "gemma": "gelu_tanh", "gemma2": "gelu_tanh"}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("family", sorted(TORCHTUNE_DENSE))
+def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, checkpointed, whole_mlp_calls):
+    """torchtune's ``FeedForward`` (``w1``/``w3``/``w2`` and an ``activation``
+    module, roles named by nothing): the probe picks w1 as the gate. Under
+    torchtune's activation checkpointing as its recipes set it
+    (``set_activation_checkpointing``: torch's ``apply_activation_checkpointing``
+    on every ``TransformerSelfAttentionLayer``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torchtune.modules import FeedForward, TransformerSelfAttentionLayer
+
+    model = torchtune_model(torchtune, family)
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (FeedForward,))
+    activation = TORCHTUNE_DENSE[family]
+    assert {report.fused[p] for p in paths} == {f"{activation}: w1/w3 -> w2"}
+    if checkpointed:  # patched first, then wrapped: the fused modules run inside torchtune's checkpoint
+        for m in (model, reference):
+            # torchtune.training.set_activation_checkpointing(m, {TransformerSelfAttentionLayer}) is these
+            # two torch calls; torchtune.training itself imports torchao's quantizers
+            apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
+        assert all("_checkpoint_wrapped_module" in p for p, m in model.named_modules() if isinstance(m, FeedForward))
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
+
+
+def test_torchtune_lora_feed_forward_fuses_the_activation_and_says_why(torchtune):
+    """``lora_llama3_2(apply_lora_to_mlp=True)``: w1/w3/w2 are ``LoRALinear``,
+    which run as themselves; only ``act(gate) * up`` is fused, and the report
+    says so (``partial``), with parity."""
+    from torchtune.modules import FeedForward
+
+    model = torchtune_model(torchtune, "lora_llama3_2")
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = [p for p, m in model.named_modules() if isinstance(m, FeedForward)]
+    assert report.fused == {} and report.skipped == {} and sorted(report.partial) == sorted(paths) and paths
+    for path in paths:
+        assert "LoRALinear is not an nn.Linear" in report.partial[path]
+        assert model.get_submodule(path).fusion() == "activation"
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    assert_model_parity(model, reference, lambda m: m(tokens))
+
+
+def test_torchtune_ungated_feed_forward_is_left_as_it_is(torchtune):
+    """torchtune's ``FeedForward`` without ``up_proj`` (CLIP's MLP) is
+    ``w2(act(w1(x)))``, no GLU: w1's output is w2's input, never twice it, so
+    no packed layout fits and the walk does not take it for a feed-forward
+    to fuse (nor report it: it is not a GLU)."""
+    from torchtune.modules import FeedForward
+
+    torch.manual_seed(0)
+    ungated = FeedForward(gate_proj=nn.Linear(16, 64), down_proj=nn.Linear(64, 16), activation=nn.GELU())
+    report = sc.patch(ungated)
+    assert len(report) == 0 and report.skipped == {}, report
+    assert type(ungated) is FeedForward
+
+
+# ---- OLMo-core -------------------------------------------------------------------------------
+
+OLMO_CORE_PIP = ("pip install --no-deps ai2-olmo-core==3.0.0 dataclass-extensions==0.5.0 bettermap==1.3.1 "
+                 "dill==0.4.1 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.2 certifi==2026.10.19.post1")
+
+
+@pytest.fixture(scope="module")
+def olmo_core():
+    """OLMo-core, imported with the ``cached_path`` stand-in (tests/stand_ins)
+    when ``cached_path`` is not installed: the real one imports the Google
+    Cloud, AWS and Hugging Face clients at its import, and OLMo-core's config
+    module imports it at its own; no model here reads a remote file. The
+    stand-in is gone from ``sys.modules`` and ``sys.path`` again once
+    OLMo-core's transformer is imported."""
+    if importlib.util.find_spec("olmo_core") is None:
+        pytest.skip(f"ai2-olmo-core is not installed; CI installs it with: {OLMO_CORE_PIP}")
+    with stand_ins_for_import(("cached_path",)):
+        module = importlib.import_module("olmo_core.nn.transformer")
+    return module
+
+
+def olmo_model(olmo_core, builder: str, **overrides):
+    """OLMo-core's stock transformer from one of its config builders, tiny,
+    built and initialised on the CPU as its trainer does."""
+    make = getattr(olmo_core.TransformerConfig, builder)
+    config = make(d_model=32, vocab_size=128, n_layers=2, n_heads=4, **overrides)
+    torch.manual_seed(0)
+    model = config.build(init_device="cpu")
+    model.init_weights(device=torch.device("cpu"))
+    return model
+
+
+OLMO_DENSE = {
+    "llama_silu": ("llama_like", dict(hidden_size_multiple_of=16), "silu"),
+    "gemma3_gelu_tanh": ("gemma3_like", dict(n_kv_heads=2, hidden_size=64), "gelu_tanh"),
+}
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("case", sorted(OLMO_DENSE))
+def test_olmo_core_feed_forwards_are_fused_whole_with_parity(olmo_core, case, checkpointed, whole_mlp_calls):
+    """OLMo-core's ``FeedForward`` (``w1``/``w3``/``w2`` and an
+    ``activation_fn`` function, F.silu or tanh-GELU): the probe identifies
+    the function by value and picks w1 as the gate. Checkpointed by the
+    model's own ``apply_activation_checkpointing("full")``."""
+    from olmo_core.nn.feed_forward import FeedForward
+
+    builder, overrides, activation = OLMO_DENSE[case]
+    model = olmo_model(olmo_core, builder, **overrides)
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = assert_fused_whole(report, model, (FeedForward,))
+    assert {report.fused[p] for p in paths} == {f"{activation}: w1/w3 -> w2"}
+    if checkpointed:
+        for m in (model, reference):
+            m.apply_activation_checkpointing("full")
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(6))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
+
+
+def test_olmo_core_normalized_feed_forward_is_skipped_with_its_reason(olmo_core):
+    """nGPT's ``NormalizedFeedForward`` scales w1 and w3 by parameters of
+    its own (``sw1``, ``sw3``) that the fused forward would not use: the
+    report names it skipped, and its forward is untouched."""
+    from olmo_core.nn.feed_forward import NormalizedFeedForward
+
+    model = olmo_model(olmo_core, "ngpt_like")
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
+    assert paths and len(report) == 0 and sorted(report.skipped) == sorted(paths)
+    assert all(report.skipped[p] == "has parameters or buffers of its own" for p in paths)
+    assert not any(isinstance(m, FusedGLUMLP) for m in model.modules())
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    assert_model_parity(model, reference, lambda m: m(tokens))
+
+
+def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_core):
+    """``llama_like_moe``: each block's ``MoE`` holds a router, a
+    ``ParallelMLP`` whose ``MoEMLP`` keeps every expert's w1/w2/w3 stacked in
+    three 2-D parameters (no projection modules: nothing the walk can take
+    for a GLU), and a ``shared_mlp`` ``FeedForward``, which is fused. The
+    MoE forward cannot run on the CPU (its token gather is a Triton kernel),
+    so only the shared MLP is checked, on its own, against its unpatched copy."""
+    from olmo_core.nn.feed_forward import FeedForward
+    from olmo_core.nn.moe.mlp import MoEMLP
+
+    model = olmo_model(olmo_core, "llama_like_moe", num_experts=4, top_k=2, expert_hidden_size=48,
+                       shared_expert_hidden_size=40, capacity_factor=2.0, hidden_size_multiple_of=16)
+    shared = {p: copy.deepcopy(m) for p, m in model.named_modules() if isinstance(m, FeedForward)}
+    report = sc.patch(model)
+    assert sorted(assert_fused_whole(report, model, (FeedForward,))) == sorted(shared)
+    assert all(p.endswith("feed_forward_moe.shared_mlp") for p in shared)
+    stacked = [p for p, m in model.named_modules() if isinstance(m, MoEMLP)]
+    assert len(stacked) == 2 and not any(p in report.fused or p.startswith(tuple(report.fused)) for p in stacked)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
+    for path, reference in shared.items():
+        assert_model_parity(model.get_submodule(path), reference, lambda m: m(x))
+
+
+def test_stand_ins_leave_nothing_behind(torchtune, olmo_core):
+    """After the imports, the stand-ins cannot be found or imported by
+    anything else in the session (peft checks for torchao, transformers for
+    datasets): only the libraries' modules keep the names they took."""
+    assert str(STAND_INS) not in sys.path
+    for name in (*TORCHTUNE_STAND_INS, "cached_path"):
+        module = sys.modules.get(name)
+        assert module is None or STAND_INS not in Path(module.__file__).parents, name
+        spec = importlib.util.find_spec(name)
+        assert spec is None or STAND_INS not in Path(spec.origin).parents, name
