@@ -77,12 +77,13 @@ def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, what: st
     assert error <= GRAD_RTOL * scale, f"{what}: max error {error:.3g}, {error / max(scale, 1e-30):.3g} of its scale"
 
 
-def assert_fused_whole(report, model: nn.Module, glu_classes: tuple[type, ...]) -> list[str]:
+def assert_fused_whole(report, model: nn.Module, glu_classes: tuple[type, ...], skipped=()) -> list[str]:
     """Every module of ``glu_classes`` in ``model`` is in ``report.fused``
-    and runs the whole MLP fused; nothing was skipped or fused only in part."""
+    and runs the whole MLP fused; nothing was skipped (but the paths in
+    ``skipped``) or fused only in part."""
     paths = [p for p, m in model.named_modules() if isinstance(m, glu_classes)]
     assert paths, "the model holds none of the GLU classes: the config did not build what the test is about"
-    assert report.skipped == {} and report.partial == {} and report.pending == {}, str(report)
+    assert sorted(report.skipped) == sorted(skipped) and report.partial == {} and report.pending == {}, str(report)
     assert sorted(report.fused) == sorted(paths), str(report)
     for path in paths:
         module = model.get_submodule(path)
@@ -434,7 +435,8 @@ def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_
     """``llama_like_moe``: each block's ``MoE`` holds a router, a
     ``ParallelMLP`` whose ``MoEMLP`` keeps every expert's w1/w2/w3 stacked in
     three 2-D parameters (no projection modules: nothing the walk can take
-    for a GLU), and a ``shared_mlp`` ``FeedForward``, which is fused. The
+    for a GLU; the report names it, skipped, with the reason), and a
+    ``shared_mlp`` ``FeedForward``, which is fused. The
     MoE forward cannot run on the CPU (its token gather is a Triton kernel),
     so only the shared MLP is checked, on its own, against its unpatched copy."""
     from olmo_core.nn.feed_forward import FeedForward
@@ -443,11 +445,14 @@ def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_
     model = olmo_model(olmo_core, "llama_like_moe", num_experts=4, top_k=2, expert_hidden_size=48,
                        shared_expert_hidden_size=40, capacity_factor=2.0, hidden_size_multiple_of=16)
     shared = {p: copy.deepcopy(m) for p, m in model.named_modules() if isinstance(m, FeedForward)}
-    report = sc.patch(model)
-    assert sorted(assert_fused_whole(report, model, (FeedForward,))) == sorted(shared)
-    assert all(p.endswith("feed_forward_moe.shared_mlp") for p in shared)
     stacked = [p for p, m in model.named_modules() if isinstance(m, MoEMLP)]
+    report = sc.patch(model)
+    assert sorted(assert_fused_whole(report, model, (FeedForward,), skipped=stacked)) == sorted(shared)
+    assert all(p.endswith("feed_forward_moe.shared_mlp") for p in shared)
     assert len(stacked) == 2 and not any(p in report.fused or p.startswith(tuple(report.fused)) for p in stacked)
+    # not fused, and said so: each stacked experts module is in the report with the reason
+    assert all("OLMo-core's stacked experts" in report.skipped[p] for p in stacked), str(report)
+    assert all(report.classes[p] == "MoEMLP" for p in stacked)
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
     for path, reference in shared.items():
         assert_model_parity(model.get_submodule(path), reference, lambda m: m(x))

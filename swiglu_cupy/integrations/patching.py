@@ -195,6 +195,26 @@ def _family_of_class(module: nn.Module) -> str | None:
     return None
 
 
+#: GLU experts classes of other libraries that the walk recognises by class
+#: (module path, class name; subclasses included) and leaves alone, with the
+#: reason, so that nothing it meets and does not fuse goes unreported. Looked
+#: up only where the library is already imported.
+KNOWN_UNFUSED = {
+    ("olmo_core.nn.moe.mlp", "MoEMLPBase"): (
+        "OLMo-core's stacked experts (w1/w2/w3 as 2-D parameters over all experts, run by torch.bmm in "
+        "MoEMLP or a grouped GEMM in DroplessMoEMLP): not a layout swiglu_cupy fuses yet; left as is"),
+}
+
+
+def known_unfused_reason(module: nn.Module) -> str | None:
+    """Why ``module``, an instance of a class in ``KNOWN_UNFUSED``, is left alone; else None."""
+    for (module_name, class_name), reason in KNOWN_UNFUSED.items():
+        cls = getattr(sys.modules.get(module_name), class_name, None)
+        if cls is not None and isinstance(module, cls):
+            return reason
+    return None
+
+
 def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
          inplace_backward: bool = False, saved_x12=None, tile_rows=None) -> PatchReport:
     """The one walk over ``model`` (itself included): each module is looked at
@@ -258,6 +278,11 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             continue
         found = glu_candidates(module)
         if found is None:
+            reason = known_unfused_reason(module)
+            if reason is not None:  # experts of a known library, not fused: said, never silent
+                handled[path] = type(module).__name__
+                report.classes[path] = type(module).__name__
+                report.skipped[path] = reason
             continue
         cands, family = found
         # Decided alike in every walk, whatever its families: whether the walk
