@@ -149,6 +149,21 @@ def _gathered_params(engine) -> dict:
         return {name: p.detach().clone() for name, p in params.items()}
 
 
+def engine_steps(engine, rank: int) -> tuple[torch.Tensor, dict]:
+    """STEPS training steps of a causal LM engine on the rank's own batches (the
+    same in the plain and patched runs): the per-step losses and the gathered
+    parameters after them. Shared with test_deepspeed_trainer.py."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(STEPS):
+        ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().clone())
+    return torch.stack(losses), _gathered_params(engine)
+
+
 def _train(kind: str, stage: int, variant: str, patched: bool, rank: int, monkeypatch) -> dict:
     import deepspeed
 
@@ -171,16 +186,7 @@ def _train(kind: str, stage: int, variant: str, patched: bool, rank: int, monkey
         out["report"] = str(sc.patch(engine.module))
     counts = _Counts(monkeypatch) if patched else None
     out["partitioned"] = any(p.numel() == 0 for p in engine.module.parameters())
-    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own batches, the same in both runs
-    losses = []
-    for _ in range(STEPS):
-        ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().clone())
-    out["losses"] = torch.stack(losses)
-    out["params"] = _gathered_params(engine)
+    out["losses"], out["params"] = engine_steps(engine, rank)
     if patched:
         monkeypatch.undo()
         out["counts"] = counts.snapshot()
@@ -259,9 +265,10 @@ def test_patched_model_trains_like_the_unpatched_one(ranks, name, kind, stage, v
             assert f"{N_LAYERS} MoE experts" in patched["report"]
 
 
-def test_the_parity_is_measured(ranks):
-    """The largest relative differences seen (printed with -s), so the
-    tolerances above stay grounded."""
+def assert_parity_measured(ranks) -> None:
+    """The largest relative differences, plain vs patched, over every rank and
+    case of ``ranks`` (printed with -s), below RTOL_FP32: so the tolerances
+    stay grounded. Shared with test_deepspeed_trainer.py."""
     worst_loss = worst_param = 0.0
     for results in ranks:
         for plain, patched in results.values():
@@ -272,6 +279,10 @@ def test_the_parity_is_measured(ranks):
                 worst_param = max(worst_param, ((a - b).abs().max() / a.abs().max()).item())
     print(f"max relative diff: loss {worst_loss:.2e}, parameters {worst_param:.2e} (per tensor, vs its max)")
     assert worst_loss < RTOL_FP32 and worst_param < RTOL_FP32
+
+
+def test_the_parity_is_measured(ranks):
+    assert_parity_measured(ranks)
 
 
 def test_patching_without_deepspeed_imports_nothing_of_it(tmp_path):

@@ -38,8 +38,8 @@ import pytest
 import torch
 
 import rank_launcher
-from test_deepspeed import (ATOL_FP32, LLAMA, MIXTRAL, N_LAYERS, RTOL_FP32, VOCAB, _build, _Counts,
-                            _ds_config, _gathered_params)
+from test_deepspeed import (BATCH, LLAMA, LR, MIXTRAL, N_LAYERS, RTOL_FP32, SEQ, STEPS, VOCAB, _build, _close,
+                            _Counts, _ds_config, _gathered_params, assert_parity_measured, engine_steps)
 
 if any(importlib.util.find_spec(m) is None for m in ("deepspeed", "transformers", "accelerate")):
     pytest.skip("deepspeed, transformers or accelerate is not installed (the 'test' extra has them)",
@@ -47,8 +47,6 @@ if any(importlib.util.find_spec(m) is None for m in ("deepspeed", "transformers"
 
 WORLD = 2
 RANK_TIMEOUT_S = 300
-STEPS, LR = 3, 0.5
-BATCH, SEQ = 2, 8
 
 # (name, model, ZeRO stage, how the fused paths are switched on)
 TRAINER_CASES = [
@@ -168,16 +166,7 @@ def _train_with_ds_checkpointing(kind: str, patched: bool, rank: int, monkeypatc
     _checkpoint_each_layer(engine.module, deepspeed, recomputed)
     counts = _Counts(monkeypatch) if patched else None
     out["partitioned"] = any(p.numel() == 0 for p in engine.module.parameters())
-    gen = torch.Generator().manual_seed(100 + rank)
-    losses = []
-    for _ in range(STEPS):
-        ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=gen)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach().clone())
-    out["losses"] = torch.stack(losses)
-    out["params"] = _gathered_params(engine)
+    out["losses"], out["params"] = engine_steps(engine, rank)
     out["recomputed"] = list(recomputed)
     if patched:
         monkeypatch.undo()
@@ -222,10 +211,6 @@ def ranks(tmp_path_factory):
         monkeypatch.setenv("DS_ACCELERATOR", "cpu")
         return rank_launcher.launch(run_case, os.environ.get("DS_TRAINER_CASE", "all"),
                                     tmp_path_factory.mktemp("ds_trainer"), monkeypatch, WORLD, RANK_TIMEOUT_S)
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(b, a, rtol=RTOL_FP32, atol=ATOL_FP32, msg=lambda m: f"{what}: {m}")
 
 
 @pytest.mark.parametrize("name,kind,stage,switch", TRAINER_CASES, ids=[c[0] for c in TRAINER_CASES])
@@ -295,13 +280,4 @@ def test_deepspeed_activation_checkpointing_around_patched_layers(ranks, name, k
 def test_the_parity_is_measured(ranks):
     """The largest relative differences seen (printed with -s); the
     tolerances are test_deepspeed.py's (the same ops, steps and layers)."""
-    worst_loss = worst_param = 0.0
-    for results in ranks:
-        for plain, patched in results.values():
-            worst_loss = max(worst_loss, ((plain["losses"] - patched["losses"]).abs()
-                                          / plain["losses"].abs()).max().item())
-            for key, a in plain["params"].items():
-                b = patched["params"][key]
-                worst_param = max(worst_param, ((a - b).abs().max() / a.abs().max()).item())
-    print(f"max relative diff: loss {worst_loss:.2e}, parameters {worst_param:.2e} (per tensor, vs its max)")
-    assert worst_loss < RTOL_FP32 and worst_param < RTOL_FP32
+    assert_parity_measured(ranks)
