@@ -39,7 +39,9 @@ def _run(args: list, flags: tuple) -> torch.Tensor:
 def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
     x, w3 = args[0], args[5]
     *modes, tile_rows, tile_grads_fp32 = flags
-    tile = resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1), w3.shape[1], x.dtype)
+    # Untiled (the default) costs nothing more on this per-call path.
+    tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1), w3.shape[1],
+                                                         x.dtype)
     if graph_needed():
         if modes[3]:
             check.check_fp8_compute_dtype(x.dtype)

@@ -110,7 +110,8 @@ def tiled_backward(dy2d, x2d, w1, b1, w2, b2, w3, saved, activation, tile: int, 
             del x12
         if need_x:
             part = _gemm.input_grad_rows(dx12, *dx_weights, None if functional else dx_rows[rows])
-            dx_parts.append(part)
+            if functional:
+                dx_parts.append(part)
         if need_w1 or need_w2:
             dw12 = _gemm.accumulate_mm(dw12, dx12.t(), x_t, acc_dtype, functional)
         if need_b1 or need_b2:
