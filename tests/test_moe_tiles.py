@@ -119,10 +119,12 @@ def test_fp8_saved_x12_tiled_saves_the_8bit_rows_and_matches():
                       _run(inputs, moe.routed_experts, saved_x12="fp8"), 2e-3)
 
 
-def test_bf16_tiles_sum_weight_gradients_in_fp32():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_tiles_sum_weight_gradients_in_fp32(device):
     """bf16 over 16 tiles: the fp32 sum of the tiles' weight gradients is closer
-    to the untiled op's than a bf16 sum (tile_grads_fp32=False)."""
-    inputs = make(T=256, K=2, dtype=torch.bfloat16)
+    to the untiled op's than a bf16 sum (tile_grads_fp32=False). On CUDA the
+    groups run torch's grouped_mm."""
+    inputs = make(T=256, K=2, dtype=torch.bfloat16, device=device)
     base = _run(inputs, moe.routed_experts)
     fp32 = _run(inputs, moe.routed_experts, tile_rows=TILE)
     bf16 = _run(inputs, moe.routed_experts, tile_rows=TILE, tile_grads_fp32=False)
