@@ -222,7 +222,7 @@ def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
 TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 "
                  "sentencepiece==0.2.3 tiktoken==0.14.0")
 # Imported through a stand-in when not installed (tests/stand_ins): see the fixture.
-TORCHTUNE_STAND_INS = ("datasets", "torchao")
+TORCHTUNE_STAND_INS = ("datasets", "torchao", "torchvision")
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
 
 
@@ -239,7 +239,9 @@ def torchtune():
         pytest.skip(f"torchtune is not installed; CI installs it with: {TORCHTUNE_PIP}")
     with stand_ins_for_import(TORCHTUNE_STAND_INS):
         module = importlib.import_module("torchtune")
-        for name in ("models.gemma", "models.gemma2", "models.llama3_2", "models.phi3", "models.qwen2", "modules"):
+        for name in ("models.gemma", "models.gemma2", "models.llama2", "models.llama3", "models.llama3_1",
+                     "models.llama3_2", "models.llama3_2_vision", "models.mistral", "models.phi3", "models.qwen2",
+                     "models.t5", "modules"):
             importlib.import_module(f"torchtune.{name}")
     return module
 
@@ -267,14 +269,33 @@ def torchtune_model(torchtune, family: str):
     """torchtune's stock decoder of ``family`` from its component builder, tiny."""
     from torchtune.models.gemma import gemma
     from torchtune.models.gemma2 import gemma2
+    from torchtune.models.llama2 import llama2
+    from torchtune.models.llama3 import llama3
+    from torchtune.models.llama3_1 import llama3_1
     from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
+    from torchtune.models.llama3_2_vision import llama3_2_vision_decoder
+    from torchtune.models.mistral import mistral
     from torchtune.models.phi3 import phi3
     from torchtune.models.qwen2 import qwen2
+    from torchtune.models.t5 import t5_encoder
 
     dims = dict(vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
                 intermediate_dim=64)
     builders = {
+        "llama2": lambda: llama2(**dims),
+        "llama3": lambda: llama3(**dims),
+        "llama3_1": lambda: llama3_1(**dims),
         "llama3_2": lambda: llama3_2(**dims),
+        "mistral": lambda: mistral(**dims),
+        # the decoder of Llama-3.2-Vision: self-attention layers plus a fusion layer (cross-attention and its
+        # own FeedForward) every fusion_interval layers
+        "llama3_2_vision": lambda: llama3_2_vision_decoder(fusion_interval=1, num_special_tokens=2,
+                                                           encoder_max_seq_len=TUNE_ENCODER_TOKENS, **dims),
+        # T5 v1.1's encoder (the text encoder of torchtune's Flux recipes): GEGLU with exact (erf) GELU;
+        # it takes exactly max_seq_len tokens (the tests' 12)
+        "t5": lambda: t5_encoder(embed_dim=32, mlp_dim=64, num_heads=4, head_dim=8, num_layers=2,
+                                 rel_pos_num_buckets=8, rel_pos_max_dist=16, vocab_size=VOCAB, norm_eps=1e-6,
+                                 max_seq_len=12),
         "qwen2": lambda: qwen2(**dims),
         "phi3": lambda: phi3(**dims),
         "gemma": lambda: gemma(head_dim=8, **dims),
@@ -286,8 +307,22 @@ def torchtune_model(torchtune, family: str):
     return builders[family]()
 
 
-# family -> the activation torchtune's builder gives its FeedForward
-TORCHTUNE_DENSE = {"llama3_2": "silu", "qwen2": "silu", "phi3": "silu", "gemma": "gelu_tanh", "gemma2": "gelu_tanh"}
+# family -> the activation torchtune's builder gives its FeedForward (every decoder builder of torchtune
+# 0.6.1 with a GLU: llama3_3/qwen2_5/phi4/code_llama2 call these same builders; CLIP's MLP is not gated)
+TORCHTUNE_DENSE = {"llama2": "silu", "llama3": "silu", "llama3_1": "silu", "llama3_2": "silu", "mistral": "silu",
+                   "qwen2": "silu", "phi3": "silu", "gemma": "gelu_tanh", "gemma2": "gelu_tanh",
+                   "llama3_2_vision": "silu", "t5": "gelu"}
+TUNE_ENCODER_TOKENS = 6
+
+
+def torchtune_forward(family: str, tokens: torch.Tensor):
+    """How ``family``'s model is called: the vision decoder also takes the (projected) image tokens its
+    fusion layers cross-attend to."""
+    if family != "llama3_2_vision":
+        return lambda m: m(tokens)
+    encoder_input = torch.randn(tokens.shape[0], TUNE_ENCODER_TOKENS, 32, generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(tokens.shape[0], tokens.shape[1], TUNE_ENCODER_TOKENS, dtype=torch.bool)
+    return lambda m: m(tokens, encoder_input=encoder_input, encoder_mask=mask)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
@@ -300,7 +335,8 @@ def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, 
     on every ``TransformerSelfAttentionLayer``)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    from torchtune.modules import FeedForward, TransformerSelfAttentionLayer
+    from torchtune.models.t5._encoder import T5EncoderLayer
+    from torchtune.modules import FeedForward, TransformerCrossAttentionLayer, TransformerSelfAttentionLayer
 
     model = torchtune_model(torchtune, family)
     reference = copy.deepcopy(model)
@@ -312,11 +348,16 @@ def test_torchtune_feed_forwards_are_fused_whole_with_parity(torchtune, family, 
         for m in (model, reference):
             # torchtune.training.set_activation_checkpointing(m, {TransformerSelfAttentionLayer}) is these
             # two torch calls; torchtune.training itself imports torchao's quantizers
-            apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy({TransformerSelfAttentionLayer}))
+            apply_activation_checkpointing(m, auto_wrap_policy=ModuleWrapPolicy(
+                {TransformerSelfAttentionLayer, TransformerCrossAttentionLayer, T5EncoderLayer}))
         assert all("_checkpoint_wrapped_module" in p for p, m in model.named_modules() if isinstance(m, FeedForward))
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
     whole_mlp_calls.clear()
-    assert_model_parity(model, reference, lambda m: m(tokens))
+    loss = lambda y: y.square().mean()  # noqa: E731
+    if family == "t5":  # it ends in an RMSNorm, whose mean square is 1 whatever its input: no gradient
+        probe = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(7))
+        loss = lambda y: (y * probe).sum()  # noqa: E731
+    assert_model_parity(model, reference, torchtune_forward(family, tokens), loss)
     assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
 
 
