@@ -199,6 +199,31 @@ def test_litgpt_moe_experts_are_fused_whole_with_parity(litgpt, case, checkpoint
     assert case != "shared_grouped" or idle, "every expert got tokens: the empty-call path went untested"
 
 
+def test_every_gated_litgpt_config_is_fused_whole(litgpt, whole_mlp_calls):
+    """Every named config of litgpt's table whose MLP is gated (LLaMAMLP,
+    GemmaMLP, LLaMAMoE; GptNeoxMLP is not a GLU), shrunk to two tiny layers:
+    each GLU module is fused whole and nothing is skipped, partial or pending
+    (0 unreported), and the logits equal the unpatched copy's."""
+    import litgpt.model as lm
+    from litgpt.config import configs
+
+    gated = [c["name"] for c in configs if c.get("mlp_class_name", "GptNeoxMLP") != "GptNeoxMLP"]
+    assert len(gated) > 150, len(gated)
+    tokens = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    for name in gated:
+        moe = litgpt.Config.from_name(name).mlp_class_name == "LLaMAMoE"
+        model = litgpt_model(litgpt, name, **(dict(n_expert=4, n_expert_per_token=2, moe_intermediate_size=48)
+                                              if moe else {}))
+        reference = copy.deepcopy(model)
+        report = sc.patch(model)
+        paths = assert_fused_whole(report, model, (lm.LLaMAMLP, lm.GemmaMLP))
+        whole_mlp_calls.clear()
+        with torch.no_grad():
+            assert_close_to_scale(model(tokens), reference(tokens), f"{name} logits")
+        assert len(whole_mlp_calls) == len(paths) or moe, name   # the experts run only where routed
+        assert whole_mlp_calls, name
+
+
 def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
     """Patched first, then wrapped by litgpt's checkpointing: the recompute in
     backward runs the fused forward again (the fused modules stay fused)."""
