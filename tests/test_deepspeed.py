@@ -58,10 +58,12 @@ CASES = [
     ("llama-zero3-ckpt", "llama", 3, "ckpt"),
     ("llama-zero3-zeroinit", "llama", 3, "zero_init"),
     ("llama-zero3-unmarked", "llama", 3, "unmarked"),
+    ("llama-zero3-offload", "llama", 3, "offload"),
     ("mixtral-zero1", "mixtral", 1, "before"),
     ("mixtral-zero2", "mixtral", 2, "before"),
     ("mixtral-zero3", "mixtral", 3, "before"),
     ("mixtral-zero3-after", "mixtral", 3, "after"),
+    ("mixtral-zero3-offload", "mixtral", 3, "offload"),
 ]
 
 # fp32 tolerances. The patched and unpatched runs do the same math in a
@@ -80,13 +82,19 @@ CASES = [
 RTOL_FP32, ATOL_FP32 = 1e-5, 1e-6
 
 
-def _ds_config(stage: int) -> dict:
+def _ds_config(stage: int, offload_param: bool = False) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         # Every parameter partitioned: by default ZeRO-3 keeps parameters
         # under 1e5 elements gathered ("persistent"), which is all of a tiny
         # model, and nothing would be gathered by the hooks under test.
         zero.update(stage3_param_persistence_threshold=0, stage3_model_persistence_threshold=0)
+    if offload_param:
+        # ZeRO-Infinity's parameter offload: partitions live on the offload
+        # device and are fetched from it. On these CPU ranks the offload
+        # device is the compute device, so this runs the offload code path
+        # (its fetch and release), not host-device transfers.
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
     return {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
             "zero_optimization": zero, "zero_force_ds_cpu_optimizer": False,
             "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9}
@@ -181,7 +189,9 @@ def _train(kind: str, stage: int, variant: str, patched: bool, rank: int, monkey
     elif patched and variant != "after":
         out["report"] = str(sc.patch(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=_ds_config(stage))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=_ds_config(stage, offload_param=variant == "offload"))
+    out["offload_param"] = bool(engine.zero_offload_param())
     if patched and variant == "after":
         out["report"] = str(sc.patch(engine.module))
     counts = _Counts(monkeypatch) if patched else None
@@ -241,6 +251,7 @@ def test_patched_model_trains_like_the_unpatched_one(ranks, name, kind, stage, v
             _close(ranks[0][name][1]["params"][key], patched["params"][key], f"rank {rank} vs rank 0 {key}")
         assert not torch.equal(plain["losses"][0], plain["losses"][-1]), "training moved nothing"
         assert patched["partitioned"] == (stage == 3), "ZeRO-3 partitions, stages 1 and 2 do not"
+        assert plain["offload_param"] == patched["offload_param"] == (variant == "offload")
         counts = patched["counts"]
         if kind == "llama":
             # Every MLP call ran the whole fused MLP (twice per step with the
