@@ -209,9 +209,11 @@ def _train(kind: str, stage: int, variant: str, patched: bool, rank: int, monkey
     return out
 
 
-def run_case(case, rank: int, world: int) -> dict:
-    # What a launcher would set (one host: the local rank is the rank).
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+def init_deepspeed_rank(rank: int, world: int, **env: str) -> None:
+    """In a rank of ``launch_ranks``: what a launcher would set (one host: the
+    local rank is the rank; ``env`` adds to it), then DeepSpeed's distributed
+    init over the launcher's gloo group. Shared by the DeepSpeed test files."""
+    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), **env)
     import deepspeed
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
@@ -219,6 +221,18 @@ def run_case(case, rank: int, world: int) -> dict:
     # allreduce at init (a minute, a compiler); gloo does the collectives.
     deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the launcher's process group
+
+
+def launch_ranks(run_case, case: str, tmp_path_factory, label: str, timeout_s: float) -> list:
+    """WORLD CPU ranks running ``run_case(case, rank, WORLD)`` with DeepSpeed's
+    CPU accelerator; their results in rank order. Shared by the DeepSpeed test files."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+        return rank_launcher.launch(run_case, case, tmp_path_factory.mktemp(label), monkeypatch, WORLD, timeout_s)
+
+
+def run_case(case, rank: int, world: int) -> dict:
+    init_deepspeed_rank(rank, world)
     results = {}
     for name, kind, stage, variant in CASES if case == "all" else [c for c in CASES if c[0] == case]:
         with pytest.MonkeyPatch.context() as monkeypatch:
@@ -229,10 +243,7 @@ def run_case(case, rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-        return rank_launcher.launch(run_case, "all", tmp_path_factory.mktemp("deepspeed"), monkeypatch,
-                                    WORLD, RANK_TIMEOUT_S)
+    return launch_ranks(run_case, "all", tmp_path_factory, "deepspeed", RANK_TIMEOUT_S)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:

@@ -20,19 +20,17 @@ All families run in one launch of 2 ranks.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
-import rank_launcher
 from hf_common.families import FAMILIES, tiny_config
-from test_deepspeed import LR, STEPS, _close, _Counts, _ds_config, assert_parity_measured, engine_steps
+from test_deepspeed import (LR, STEPS, _close, _Counts, _ds_config, assert_parity_measured, engine_steps,
+                            init_deepspeed_rank, launch_ranks)
 
 if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
     pytest.skip("deepspeed or transformers is not installed (the 'test' extra has both)", allow_module_level=True)
 
-WORLD = 2
 RANK_TIMEOUT_S = 420
 
 
@@ -68,22 +66,14 @@ def _train(family: str, patched: bool, rank: int) -> dict:
 
 
 def run_case(case, rank: int, world: int) -> dict:
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    import deepspeed
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False  # gloo, no C++ op (see test_deepspeed.py)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_rank(rank, world)
     return {family: (_train(family, False, rank), _train(family, True, rank))
             for family in (FAMILIES if case == "all" else [case])}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-        return rank_launcher.launch(run_case, "all", tmp_path_factory.mktemp("deepspeed_families"), monkeypatch,
-                                    WORLD, RANK_TIMEOUT_S)
+    return launch_ranks(run_case, "all", tmp_path_factory, "deepspeed_families", RANK_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -37,15 +37,14 @@ import os
 import pytest
 import torch
 
-import rank_launcher
-from test_deepspeed import (BATCH, LLAMA, LR, MIXTRAL, N_LAYERS, RTOL_FP32, SEQ, STEPS, VOCAB, _build, _close,
-                            _Counts, _ds_config, _gathered_params, assert_parity_measured, engine_steps)
+from test_deepspeed import (BATCH, LLAMA, LR, MIXTRAL, N_LAYERS, RTOL_FP32, SEQ, STEPS, VOCAB, WORLD, _build,
+                            _close, _Counts, _ds_config, _gathered_params, assert_parity_measured, engine_steps,
+                            init_deepspeed_rank, launch_ranks)
 
 if any(importlib.util.find_spec(m) is None for m in ("deepspeed", "transformers", "accelerate")):
     pytest.skip("deepspeed, transformers or accelerate is not installed (the 'test' extra has them)",
                 allow_module_level=True)
 
-WORLD = 2
 RANK_TIMEOUT_S = 300
 
 # (name, model, ZeRO stage, how the fused paths are switched on)
@@ -181,13 +180,7 @@ def run_case(case, rank: int, world: int) -> dict:
 
     # What torchrun would set (one host); accelerate's MULTI_CPU state reads
     # LOCAL_WORLD_SIZE and MASTER_ADDR (the process group itself exists already).
-    os.environ.update(DS_ACCELERATOR="cpu", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    import deepspeed
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False  # no C++ op (see test_deepspeed.py)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_rank(rank, world, LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     results = {}
     with tempfile.TemporaryDirectory() as out_dir:
         for name, kind, stage, switch in TRAINER_CASES:
@@ -207,10 +200,8 @@ def run_case(case, rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-        return rank_launcher.launch(run_case, os.environ.get("DS_TRAINER_CASE", "all"),
-                                    tmp_path_factory.mktemp("ds_trainer"), monkeypatch, WORLD, RANK_TIMEOUT_S)
+    return launch_ranks(run_case, os.environ.get("DS_TRAINER_CASE", "all"), tmp_path_factory, "ds_trainer",
+                        RANK_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("name,kind,stage,switch", TRAINER_CASES, ids=[c[0] for c in TRAINER_CASES])

@@ -5,8 +5,6 @@ and every mode the untiled op has: no_grad, checkpoint (both), autocast,
 torch.compile, torch.func, a second backward, FSDP2."""
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
