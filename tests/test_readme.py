@@ -44,3 +44,18 @@ def test_ci_floor_run_pins_the_declared_minimums():
         assert f"`{package}` | {pins[package]}" in readme, package
     # torch goes in first on its own, pinned, as in the first run.
     assert f"-m pip install torch=={pins['torch']}\n" in ci
+
+
+def test_ci_installs_the_peer_libraries_in_both_venvs_pinned():
+    """README command 1 installs the peers' requirement files with --no-deps
+    (a plain install would pull a CUDA torch); the floor venv gets the same
+    peers.txt, so the libraries are tested at the floor too; every peer there
+    is pinned to the version the docs name."""
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    command = re.search(r"```bash\n(.*?)\n", readme).group(1)
+    assert "pip install --no-deps -r tests/requirements/peers.txt -r tests/requirements/torchtitan.txt" in command
+    assert '"$floor/bin/python" -m pip install --no-deps -r tests/requirements/peers.txt\n' in ci
+    peers = [line.strip() for line in (REPO / "tests" / "requirements" / "peers.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert peers and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.]+", line) for line in peers), peers

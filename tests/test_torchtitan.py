@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import swiglu_cupy as sc
 
-PIP_LINE = "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro docstring_parser triton"
+PIP_LINE = "pip install --no-deps -r tests/requirements/torchtitan.txt"  # README command 1
 try:
     from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.common.attention import ScaledDotProductAttention

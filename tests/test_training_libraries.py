@@ -6,9 +6,9 @@ or named with a reason, nothing left out silently) and the parity of logits
 and of every parameter gradient against an unpatched deepcopy, in fp32, also
 under the library's own activation checkpointing where it runs on the CPU.
 
-CI installs them (README command 1), with --no-deps so that the CPU torch stays:
-  litgpt:    pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0
-(``import litgpt`` imports lightning, which imports torchmetrics and lightning_utilities.)
+CI installs them with the other peers (README command 1, both venvs):
+``pip install --no-deps -r tests/requirements/peers.txt``, which says what
+each needs and why --no-deps.
 
 Tolerances (fp32): the fused op computes each MLP with the same GEMMs but
 rounds ``act(gate) * up`` once where eager rounds twice and may sum in
@@ -93,12 +93,12 @@ def assert_fused_whole(report, model: nn.Module, glu_classes: tuple[type, ...], 
 
 # ---- litgpt ----------------------------------------------------------------------------------
 
-LITGPT_PIP = "pip install --no-deps litgpt==0.5.13 lightning==2.6.6 lightning-utilities==0.15.3 torchmetrics==1.9.0"
+PEERS_PIP = "pip install --no-deps -r tests/requirements/peers.txt"  # README command 1 and both CI venvs
 
 
 @pytest.fixture(scope="module")
 def litgpt():
-    return pytest.importorskip("litgpt", reason=f"litgpt is not installed; CI installs it with: {LITGPT_PIP}")
+    return pytest.importorskip("litgpt", reason=f"litgpt is not installed; CI installs it with: {PEERS_PIP}")
 
 
 def litgpt_model(litgpt, name: str, **overrides):
@@ -244,8 +244,6 @@ def test_litgpt_checkpointed_dense_model_keeps_parity(litgpt, whole_mlp_calls):
 
 # ---- torchtune -------------------------------------------------------------------------------
 
-TORCHTUNE_PIP = ("pip install --no-deps torchtune==0.6.1 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 "
-                 "sentencepiece==0.2.3 tiktoken==0.14.0")
 # Imported through a stand-in when not installed (tests/stand_ins): see the fixture.
 TORCHTUNE_STAND_INS = ("datasets", "torchao", "torchvision")
 STAND_INS = Path(__file__).resolve().parent / "stand_ins"
@@ -261,7 +259,7 @@ def torchtune():
     stand-ins are gone from ``sys.modules`` and ``sys.path`` again once
     torchtune's models are imported, so nothing else in the session sees them."""
     if importlib.util.find_spec("torchtune") is None:
-        pytest.skip(f"torchtune is not installed; CI installs it with: {TORCHTUNE_PIP}")
+        pytest.skip(f"torchtune is not installed; CI installs it with: {PEERS_PIP}")
     with stand_ins_for_import(TORCHTUNE_STAND_INS):
         module = importlib.import_module("torchtune")
         for name in ("models.gemma", "models.gemma2", "models.llama2", "models.llama3", "models.llama3_1",
@@ -420,10 +418,6 @@ def test_torchtune_ungated_feed_forward_is_left_as_it_is(torchtune):
 
 # ---- OLMo-core -------------------------------------------------------------------------------
 
-OLMO_CORE_PIP = ("pip install --no-deps ai2-olmo-core==3.0.0 dataclass-extensions==0.5.0 bettermap==1.3.1 "
-                 "dill==0.4.1 requests==2.34.2 urllib3==2.8.0 charset-normalizer==3.5.2 certifi==2026.10.19.post1")
-
-
 @pytest.fixture(scope="module")
 def olmo_core():
     """OLMo-core, imported with the ``cached_path`` stand-in (tests/stand_ins)
@@ -433,7 +427,7 @@ def olmo_core():
     stand-in is gone from ``sys.modules`` and ``sys.path`` again once
     OLMo-core's transformer is imported."""
     if importlib.util.find_spec("olmo_core") is None:
-        pytest.skip(f"ai2-olmo-core is not installed; CI installs it with: {OLMO_CORE_PIP}")
+        pytest.skip(f"ai2-olmo-core is not installed; CI installs it with: {PEERS_PIP}")
     with stand_ins_for_import(("cached_path",)):
         module = importlib.import_module("olmo_core.nn.transformer")
     return module

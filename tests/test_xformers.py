@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # xformers warns that its C++ extension is not built (expected)
-    xops = pytest.importorskip("xformers.ops", reason="needs xformers: pip install xformers==0.0.35 --no-deps")
+    xops = pytest.importorskip("xformers.ops",
+                               reason="needs xformers: pip install --no-deps -r tests/requirements/peers.txt")
 
 import swiglu_cupy as sc  # noqa: E402
 from conftest import assert_nontrivial, rel_rms  # noqa: E402
