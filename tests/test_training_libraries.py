@@ -43,6 +43,13 @@ def whole_mlp_calls(monkeypatch):
     """How many times the whole-MLP fused op ran (unpacked gate/up, as every
     library here has): parity alone cannot tell it from the module's own
     forward, as on the CPU the two can agree to the last bit."""
+    return count_whole_mlp_calls(monkeypatch)
+
+
+def count_whole_mlp_calls(monkeypatch) -> list[int]:
+    """The rows of each call of the whole-MLP fused op from now on (until
+    ``monkeypatch`` is undone); also used in the ranks of
+    test_training_libraries_sharded.py."""
     calls = []
     real = fused_forward.swiglu_unpacked
 

@@ -215,6 +215,25 @@ def known_unfused_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _fsdp2_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is not probed, where FSDP2 had sharded it before patch():
+    outside the forward of the module ``fully_shard`` got, its weights are
+    DTensor shards (the probe's call fails), and where ``fully_shard`` got a
+    projection itself (litgpt's parallelize_fn shards every Linear) the
+    probe's call would run that projection's FSDP hooks before the root's
+    first forward: FSDP's lazy init takes it for a root, and the first
+    training step raises ("FSDP requires running forward through the root
+    module first")."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None  # FSDP2 cannot manage a module of a process that never imported it
+    from .. import _distributed_compat
+
+    if not _distributed_compat.fsdp_managed(module):
+        return None
+    return ("not probed: sharded by FSDP2 (fully_shard on it or an ancestor) before patch(), its weights are "
+            "DTensor shards outside the forward of the module fully_shard got; left as is (patch before sharding)")
+
+
 def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_gate_up: bool = False,
          inplace_backward: bool = False, saved_x12=None, tile_rows=None) -> PatchReport:
     """The one walk over ``model`` (itself included): each module is looked at
@@ -290,7 +309,9 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
         plan, reason = None, cands.reason
         pending = reason is None and verify and unmaterialised(module)
         if reason is None and not pending and (family in families or family == "generic"):
-            plan, reason = choose_plan(module, cands, verify, modes)
+            reason = _fsdp2_reason(module)
+            if reason is None:
+                plan, reason = choose_plan(module, cands, verify, modes)
         if family in families:
             report.classes[path] = type(module).__name__
             if reason is not None:
