@@ -306,7 +306,7 @@ def run_case(case, rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    if not any(_installed(library) for library in PIP):
+    if not any(_installed(library) for library in ("torchtune", "olmo_core", "litgpt")):
         pytest.skip("none of litgpt, torchtune, ai2-olmo-core is installed")
     with pytest.MonkeyPatch.context() as monkeypatch:
         return rank_launcher.launch(run_case, "all", tmp_path_factory.mktemp("sharded"), monkeypatch,
