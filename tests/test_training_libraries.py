@@ -267,11 +267,18 @@ def torchtune():
     torchtune's models are imported, so nothing else in the session sees them."""
     if importlib.util.find_spec("torchtune") is None:
         pytest.skip(f"torchtune is not installed; CI installs it with: {PEERS_PIP}")
+    return import_torchtune()
+
+
+def import_torchtune(*more: str):
+    """torchtune and the modules of it the tests build from (and ``more``,
+    e.g. "training"), imported with the stand-ins. Shared with
+    test_training_libraries_sharded.py."""
     with stand_ins_for_import(TORCHTUNE_STAND_INS):
         module = importlib.import_module("torchtune")
         for name in ("models.gemma", "models.gemma2", "models.llama2", "models.llama3", "models.llama3_1",
                      "models.llama3_2", "models.llama3_2_vision", "models.mistral", "models.phi3", "models.qwen2",
-                     "models.t5", "modules"):
+                     "models.t5", "modules", *more):
             importlib.import_module(f"torchtune.{name}")
     return module
 

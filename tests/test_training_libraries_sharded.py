@@ -142,10 +142,7 @@ class _Libraries:
         self.torchtune = self.olmo_core = self.litgpt = None
         if _installed("torchtune"):
             # torchtune.training (shard_model) imports torchao's quantizers too
-            with ttl.stand_ins_for_import(ttl.TORCHTUNE_STAND_INS):
-                self.torchtune = importlib.import_module("torchtune")
-                for name in ("training", "models.llama3_2", "modules"):
-                    importlib.import_module(f"torchtune.{name}")
+            self.torchtune = ttl.import_torchtune("training")
         if _installed("olmo_core"):
             with ttl.stand_ins_for_import(("cached_path",)):
                 self.olmo_core = importlib.import_module("olmo_core.nn.transformer")
