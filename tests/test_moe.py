@@ -121,6 +121,31 @@ def test_grouped_mm_runs_predicate():
     assert not grouped.grouped_mm_runs(torch.randn(16, 66)[:, :62], torch.randn(2, 64, 62), torch.randn(2, 62, 32))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_grouped_experts_take_any_gradient_strides(transposed):
+    """Autograd hands the backward whatever strides the loss gives: an
+    expanded zero-stride dy (``y.sum().backward()``) or a transposed one runs
+    on the grouped_mm path (which refuses such operands itself) and gives
+    the gradients a contiguous dy gives."""
+    torch.manual_seed(0)
+    E, D, I, S = 4, 32, 48, 64
+    x = torch.randn(S, D, requires_grad=True)
+    w12 = (torch.randn(E, D, 2 * I) if transposed else torch.randn(E, 2 * I, D)).requires_grad_()
+    w3 = (torch.randn(E, I, D) if transposed else torch.randn(E, D, I)).requires_grad_()
+    offsets = torch.tensor([10, 30, 30, S], dtype=torch.int32)
+    assert grouped.grouped_mm_runs(x, w12, w3)
+    leaves = (x, w12, w3)
+
+    def grads_of(loss):
+        return torch.autograd.grad(loss(moe.grouped_experts(x, offsets, w12, w3, transposed=transposed)), leaves)
+
+    for loss, dy in ((lambda y: y.sum(), torch.ones(S, D)), (lambda y: (y.t() * torch.arange(S)).sum(),
+                                                             torch.arange(S).float().unsqueeze(1).expand(S, D))):
+        y = moe.grouped_experts(x, offsets, w12, w3, transposed=transposed)
+        for got, want in zip(grads_of(loss), torch.autograd.grad(y, leaves, dy.contiguous())):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_routing_weight_multiplies_the_down_output_bias_included():
     """w * (h W3 + b3), not (w * h) W3 + b3: with a down bias the two differ."""
     x, logits, ids, w12, w3, b12, b3 = make(bias=True)

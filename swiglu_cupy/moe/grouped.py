@@ -229,6 +229,9 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
                    tail: bool, needs: tuple, perm, top_k: int, combine_dtype, fp8: bool = False):
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
+    # Autograd may hand any strides (y.sum().backward(): an expanded, zero-stride dy),
+    # which grouped_mm refuses; a no-op for the usual contiguous gradient.
+    dy = dy.contiguous()
     tokens = _token_rows(perm, top_k)
     if tokens is not None:
         if combine_dtype is not None:
