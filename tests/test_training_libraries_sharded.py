@@ -82,21 +82,11 @@ N_LAYERS = 2  # every tiny model here has two blocks, one feed-forward each
 # gradient reduction, or a wrong activation is O(1) relative and fails at once.
 RTOL_FP32, ATOL_FP32 = 1e-5, 1e-6
 
-# name -> (library, entry point, when patch() runs)
-CASES = {
-    "torchtune-shard_model-before": ("torchtune", "shard_model", "before"),
-    "torchtune-shard_model-after": ("torchtune", "shard_model", "after"),
-    "olmo_core-apply_fsdp-before": ("olmo_core", "apply_fsdp", "before"),
-    "olmo_core-apply_fsdp-after": ("olmo_core", "apply_fsdp", "after"),
-    "olmo_core-apply_fsdp_fine_grained-before": ("olmo_core", "apply_fsdp_fine_grained", "before"),
-    "olmo_core-apply_fsdp_fine_grained-after": ("olmo_core", "apply_fsdp_fine_grained", "after"),
-    "olmo_core-apply_tp-before": ("olmo_core", "apply_tp", "before"),
-    "olmo_core-apply_tp-after": ("olmo_core", "apply_tp", "after"),
-    "litgpt-fabric_fsdp2_blocks-before": ("litgpt", "fabric_fsdp2_blocks", "before"),
-    "litgpt-fabric_fsdp2_blocks-after": ("litgpt", "fabric_fsdp2_blocks", "after"),
-    "litgpt-fabric_fsdp2_litgpt_fn-before": ("litgpt", "fabric_fsdp2_litgpt_fn", "before"),
-    "litgpt-fabric_fsdp2_litgpt_fn-after": ("litgpt", "fabric_fsdp2_litgpt_fn", "after"),
-}
+# name -> (library, entry point, when patch() runs): each entry point patched before and after it
+ENTRY_POINTS = [("torchtune", "shard_model"), ("olmo_core", "apply_fsdp"), ("olmo_core", "apply_fsdp_fine_grained"),
+                ("olmo_core", "apply_tp"), ("litgpt", "fabric_fsdp2_blocks"), ("litgpt", "fabric_fsdp2_litgpt_fn")]
+CASES = {f"{library}-{entry}-{when}": (library, entry, when)
+         for library, entry in ENTRY_POINTS for when in ("before", "after")}
 
 
 def _installed(library: str) -> bool:
