@@ -217,7 +217,8 @@ def common_packed_case(x, w12, b12, w3, b3) -> bool:
 # ---- mixture of experts ------------------------------------------------------------------
 
 _MOE_ROLES = {"x_sorted": Role.INPUT, "hidden_states": Role.INPUT, "w12": Role.WEIGHT, "b12": Role.WEIGHT,
-          "w3": Role.WEIGHT, "b3": Role.WEIGHT}
+              "w1": Role.WEIGHT, "b1": Role.WEIGHT, "w2": Role.WEIGHT, "b2": Role.WEIGHT,
+              "w3": Role.WEIGHT, "b3": Role.WEIGHT}
 
 
 def check_expert_weights(x_name: str, x: torch.Tensor, w12, w3, b12, b3, transposed: bool) -> tuple[int, int]:
@@ -234,14 +235,40 @@ def check_expert_weights(x_name: str, x: torch.Tensor, w12, w3, b12, b3, transpo
         raise ValueError(f"w12 must be {layout} with E >= 1, an even 2I >= 2 and D = {x_name}.shape[-1] = {D}, "
                          f"got shape {tuple(w12.shape)}")
     I = two_i // 2
+    _check_expert_down_and_biases(w3, transposed, E, I, D, (("b12", b12, (E, 2 * I)), ("b3", b3, (E, D))))
+    return E, I
+
+
+def check_unpacked_expert_weights(x_name: str, x: torch.Tensor, w1, w2, w3, b1, b2, b3,
+                                  transposed: bool) -> tuple[int, int]:
+    """``check_expert_weights`` for separate gate (w1) and up (w2) weights; returns (E, I)."""
+    check_inputs({x_name: x, "w1": w1, "w2": w2, "w3": w3, "b1": b1, "b2": b2, "b3": b3}, _MOE_ROLES,
+                 optional=("b1", "b2", "b3"))
+    check_flags(transposed=transposed)
+    D = x.shape[-1] if x.dim() else None
+    layout = "[E, D, I]" if transposed else "[E, I, D]"
+    if w1.dim() != 3:
+        raise ValueError(f"w1 must be 3-D {layout}, got shape {tuple(w1.shape)}")
+    E = w1.shape[0]
+    I, d1 = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
+    if E < 1 or I < 1 or d1 != D:
+        raise ValueError(f"w1 must be {layout} with E >= 1, I >= 1 and D = {x_name}.shape[-1] = {D}, "
+                         f"got shape {tuple(w1.shape)}")
+    if w2.shape != w1.shape:
+        raise ValueError(f"w2 must have the shape of w1 {layout} = {tuple(w1.shape)}, got {tuple(w2.shape)}")
+    _check_expert_down_and_biases(w3, transposed, E, I, D,
+                                  (("b1", b1, (E, I)), ("b2", b2, (E, I)), ("b3", b3, (E, D))))
+    return E, I
+
+
+def _check_expert_down_and_biases(w3, transposed: bool, E: int, I: int, D: int, biases) -> None:
     down = (E, I, D) if transposed else (E, D, I)
     if tuple(w3.shape) != down:
         raise ValueError(f"w3 must have shape {down} = {'[E, I, D]' if transposed else '[E, D, I]'} "
                          f"(E = {E}, I = {I}, D = {D}), got {tuple(w3.shape)}")
-    for name, b, shape in (("b12", b12, (E, 2 * I)), ("b3", b3, (E, D))):
+    for name, b, shape in biases:
         if b is not None and tuple(b.shape) != shape:
             raise ValueError(f"{name} must have shape {shape}, got {tuple(b.shape)}")
-    return E, I
 
 
 def check_routing_weights(name: str, rw, shape: tuple, x: torch.Tensor) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["GLUActivation", "SILU", "GPT_OSS", "KINDS", "resolve_activation", "deepseek_v4"]
+__all__ = ["GLUActivation", "SILU", "GPT_OSS", "KINDS", "resolve_activation", "resolve_halves_activation",
+           "deepseek_v4"]
 
 KINDS = ("silu", "gelu_tanh", "gelu", "relu", "sigmoid", "identity", "oai")
 
@@ -91,3 +92,14 @@ def resolve_activation(activation) -> GLUActivation:
     if isinstance(activation, GLUActivation):
         return activation
     raise TypeError(f"activation must be a str or a GLUActivation, got {type(activation).__name__}")
+
+
+def resolve_halves_activation(activation, what: str) -> GLUActivation:
+    """``resolve_activation`` for an entry whose gate and up are separate tensors
+    (``what`` names them): the interleaved layout describes a packed tensor."""
+    spec = resolve_activation(activation)
+    if spec.interleaved:
+        raise ValueError(f"activation={spec} is interleaved, which describes a packed w12/x12; {what} are "
+                         "separate tensors here. Pass the same spec with interleaved=False "
+                         "(dataclasses.replace(activation, interleaved=False)).")
+    return spec

@@ -497,6 +497,219 @@ def test_bad_offsets_and_ids_raise_naming_the_argument():
         moe.routed_experts(x, ids, None, w12, w3, activation="swish")
 
 
+# ---- separate gate/up weights (grouped_experts_unpacked) -------------------------------------
+
+def make_unpacked(E=4, D=64, I=32, S=74, dtype=torch.float32, transposed=False, bias=False, seed=0, device="cpu"):
+    """Rows grouped by expert (one empty expert), separate gate w1 and up w2, w3, biases, routing weights."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(device, dtype).requires_grad_()  # noqa: E731
+    gate_up = (E, D, I) if transposed else (E, I, D)
+    tensors = {"x": r(S, D), "w1": r(*gate_up, s=D ** -0.5 * 2), "w2": r(*gate_up, s=D ** -0.5 * 2),
+               "w3": r(*((E, I, D) if transposed else (E, D, I)), s=I ** -0.5),
+               "b1": r(E, I, s=0.5) if bias else None, "b2": r(E, I, s=0.5) if bias else None,
+               "b3": r(E, D, s=0.5) if bias else None,
+               "rw": torch.rand(S, generator=gen).to(device, dtype).requires_grad_()}
+    ends = [S * (e + 1) // E for e in range(E)]
+    ends[0] = 0  # an empty expert
+    offsets = torch.tensor(ends, dtype=torch.int32, device=device)
+    return tensors, offsets
+
+
+def run_unpacked(t, offsets, transposed, packed=False, **kw):
+    """grouped_experts_unpacked, or (packed=True) grouped_experts on the concatenated weights."""
+    if not packed:
+        return moe.grouped_experts_unpacked(t["x"], offsets, t["w1"], t["w2"], t["w3"], t["b1"], t["b2"], t["b3"],
+                                            routing_weights=t["rw"], transposed=transposed, **kw)
+    w12 = torch.cat([t["w1"], t["w2"]], dim=2 if transposed else 1)
+    b12 = None if t["b1"] is None else torch.cat([t["b1"], t["b2"]], dim=1)
+    return moe.grouped_experts(t["x"], offsets, w12, t["w3"], b12, t["b3"], routing_weights=t["rw"],
+                               transposed=transposed, **kw)
+
+
+def unpacked_reference(t, offsets, transposed):
+    """The float64 per-expert reference (``experts_reference``, top-1 with the
+    routing weights) on the same values, gate and up concatenated."""
+    d = {k: None if v is None else v.detach().double().requires_grad_() for k, v in t.items()}
+    rows = torch.arange(t["x"].shape[0], dtype=torch.int32, device=offsets.device)
+    ids = torch.searchsorted(offsets, rows, right=True).view(-1, 1)
+    w12 = torch.cat([d["w1"], d["w2"]], dim=2 if transposed else 1)
+    b12 = None if d["b1"] is None else torch.cat([d["b1"], d["b2"]], dim=1)
+    y = moe.experts_reference(d["x"], ids, d["rw"].view(-1, 1), w12, d["w3"], b12, d["b3"], transposed=transposed)
+    return d, y
+
+
+UNPACKED_MODES = {"plain": {}, "recompute_gate_up": {"recompute_gate_up": True}, "tiles": {"tile_rows": 16},
+                  "fp8_saved_x12": {"saved_x12": "fp8"}}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("mode,dtype,transposed,bias", [
+    (mode, *case) for mode in UNPACKED_MODES
+    for case in ((torch.float32, False, False), (torch.float32, True, True), (torch.bfloat16, False, True),
+                 (torch.float64, True, False))
+    if not (mode == "fp8_saved_x12" and case[0] == torch.float64)])  # refused for float64 (test_saved_x12_fp8)
+def test_unpacked_matches_fp64_reference_and_packed(monkeypatch, schedule, mode, dtype, transposed, bias):
+    """Separate gate/up weights: y and every gradient (x, w1, w2, w3, biases,
+    routing weights) match the float64 reference and the packed entry on the
+    concatenated weights, on both GEMM schedules and in every saving mode."""
+    use_schedule(monkeypatch, schedule)
+    assert_unpacked_matches(mode, dtype, transposed, bias, "cpu")
+
+
+def assert_unpacked_matches(mode, dtype, transposed, bias, device):
+    t, offsets = make_unpacked(dtype=dtype, transposed=transposed, bias=bias, device=device)
+    kw = UNPACKED_MODES[mode]
+    y = run_unpacked(t, offsets, transposed, **kw)
+    y_packed = run_unpacked(t, offsets, transposed, packed=True, **kw)
+    d, y_ref = unpacked_reference(t, offsets, transposed)
+    # The 8-bit saved x12 (read by the backward only): e4m3's bound against the exact
+    # reference, as test_saved_x12_fp8's EXACT_BOUND.
+    ref_tol = 0.05 if mode == "fp8_saved_x12" else TOL[dtype]
+    assert y.dtype == dtype and rel_rms(y, y_ref) <= TOL[dtype]
+    torch.testing.assert_close(y, y_packed, rtol=TOL[dtype], atol=TOL[dtype])
+    names = [k for k, v in t.items() if v is not None]
+    dy = torch.randn_like(y_ref)
+    got = torch.autograd.grad(y, [t[k] for k in names], dy.to(dtype))
+    packed = torch.autograd.grad(y_packed, [t[k] for k in names], dy.to(dtype))
+    want = torch.autograd.grad(y_ref, [d[k] for k in names], dy)
+    for name, g, g_packed, g_ref in zip(names, got, packed, want):
+        assert_nontrivial(g, name)
+        assert g.dtype == dtype and g.shape == t[name].shape, name
+        assert rel_rms(g, g_ref) <= ref_tol, name
+        assert rel_rms(g, g_packed) <= TOL[dtype], name
+
+
+def test_unpacked_saves_what_packed_saves_and_no_weight_copy():
+    """Saved for backward: x_sorted and x12 per row, offsets and routing
+    weights, exactly the packed entry's bytes; the weights only by reference
+    (packing w1/w2 by hand saves the [E, 2I, D] copy too)."""
+    t, offsets = make_unpacked()
+    E, I, D = t["w1"].shape
+    S = t["x"].shape[0]
+    weights = [t["w1"], t["w2"], t["w3"]]
+    want = S * (D + 2 * I) * 4 + offsets.nbytes + t["rw"].nbytes
+    assert saved_activation_bytes(lambda: run_unpacked(t, offsets, False), weights) == want
+    by_hand = saved_activation_bytes(lambda: run_unpacked(t, offsets, False, packed=True), weights)
+    assert by_hand == want + E * 2 * I * D * 4
+    assert saved_activation_bytes(lambda: run_unpacked(t, offsets, False, recompute_gate_up=True), weights) \
+        == S * D * 4 + offsets.nbytes + t["rw"].nbytes
+
+
+@pytest.mark.parametrize("which", ["w1", "w2"])
+def test_unpacked_one_weight_at_a_time(which):
+    """Only one of the gate/up weights requires grad: it gets the reference's
+    gradient and the other none."""
+    t, offsets = make_unpacked()
+    other = "w2" if which == "w1" else "w1"
+    t[other] = t[other].detach()
+    y = run_unpacked(t, offsets, False)
+    d, y_ref = unpacked_reference(t, offsets, False)
+    dy = torch.randn_like(y_ref)
+    (g,) = torch.autograd.grad(y, t[which], dy.float())
+    (g_ref,) = torch.autograd.grad(y_ref, d[which], dy)
+    assert_nontrivial(g, which)
+    assert rel_rms(g, g_ref) <= TOL[torch.float32]
+    assert t[other].grad is None
+
+
+def test_unpacked_gradcheck_float64():
+    t, offsets = make_unpacked(E=3, D=4, I=3, S=7, dtype=torch.float64, bias=True)
+    names = list(t)
+
+    def f(*tensors):
+        return run_unpacked(dict(zip(names, tensors)), offsets, False)
+
+    assert torch.autograd.gradcheck(f, [t[k] for k in names])
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_unpacked_checkpoint_both_modes_match_plain(use_reentrant):
+    t, offsets = make_unpacked(transposed=True, bias=True)
+    leaves = [v for v in t.values() if v is not None]
+
+    def block(x):
+        return run_unpacked({**t, "x": x}, offsets, True)
+
+    def backward(y, dy):
+        for v in leaves:
+            v.grad = None
+        y.backward(dy)
+        return [v.grad for v in leaves]
+
+    y = block(t["x"])
+    dy = torch.randn_like(y)
+    expected = backward(y, dy)
+    y_ck = checkpoint(block, t["x"], use_reentrant=use_reentrant)
+    assert torch.equal(y_ck, y)
+    for a, b in zip(backward(y_ck, dy), expected):
+        assert_nontrivial(b, "grad")
+        assert torch.equal(a, b)
+
+
+def test_unpacked_bad_inputs_raise_naming_the_argument():
+    t, offsets = make_unpacked()
+    x, w1, w2, w3 = (t[k].detach() for k in ("x", "w1", "w2", "w3"))
+    E, I, D = w1.shape
+    with pytest.raises(ValueError, match="w2 must have the shape of w1"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2[:, :-1], w3)
+    with pytest.raises(ValueError, match="w1 must be 3-D"):
+        moe.grouped_experts_unpacked(x, offsets, w1[0], w2, w3)
+    with pytest.raises(ValueError, match=r"w1 must be \[E, I, D\]"):
+        moe.grouped_experts_unpacked(x, offsets, w1[..., :-1], w2[..., :-1], w3)
+    with pytest.raises(ValueError, match="w3 must have shape"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2, w3.transpose(1, 2))
+    with pytest.raises(ValueError, match="b2 must have shape"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2, w3, b2=torch.zeros(E, 2 * I))
+    with pytest.raises(TypeError, match="w2"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2.double(), w3)
+    with pytest.raises(ValueError, match="interleaved.*w1 and w2"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2, w3, activation=GPT_OSS)
+    with pytest.raises(ValueError, match="offsets"):
+        moe.grouped_experts_unpacked(x, offsets[:-1], w1, w2, w3)
+    with pytest.raises(ValueError, match="tile_rows"):
+        moe.grouped_experts_unpacked(x, offsets, w1, w2, w3, tile_rows=0)
+
+
+def test_unpacked_opcheck_registered_ops():
+    """The registered ops with a separate up weight: fake shapes (x12 [S, 2I],
+    dw_up like w_up) match the real ones."""
+    from swiglu_cupy.primitives.ops import spec_args
+
+    t, offsets = make_unpacked(E=3, D=16, I=8, S=10, bias=True)
+    x, w1, w2, w3, b3, rw = (t[k].detach() for k in ("x", "w1", "w2", "w3", "b3", "rw"))
+    b12 = torch.cat([t["b1"], t["b2"]], 1).detach()
+    spec = (*spec_args(SILU), False, False)
+    fwd = (x, offsets, w1, b12, w3, b3, rw, *spec, None, 1, None, False, w2)
+    torch.library.opcheck(torch.ops.swiglu_cupy.moe_experts_forward.default, fwd)
+    y, x12 = torch.ops.swiglu_cupy.moe_experts_forward(*fwd)
+    assert x12.shape == (x.shape[0], 2 * w1.shape[1])
+    bwd = (torch.randn_like(y), x, x12, offsets, w1, b12, w3, b3, rw, *spec, [True] * 6, None, 1, None, False, w2)
+    torch.library.opcheck(torch.ops.swiglu_cupy.moe_experts_backward.default, bwd)
+    grads = torch.ops.swiglu_cupy.moe_experts_backward(*bwd)
+    assert [g.shape for g in grads] == [v.shape for v in (x, w1, b12, w3, b3, rw, w2)]
+
+
+class TinyUnpackedExperts(nn.Module):
+    """Experts with separate gate/up 3-D parameters over rows grouped by expert."""
+
+    def __init__(self, D=32, I=16, E=4):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(E, I, D) * D ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(E, I, D) * D ** -0.5)
+        self.w3 = nn.Parameter(torch.randn(E, D, I) * I ** -0.5)
+        self.register_buffer("offsets", torch.tensor([3, 9, 9, 18], dtype=torch.int32))
+
+    def forward(self, x):
+        return moe.grouped_experts_unpacked(x, self.offsets, self.w1, self.w2, self.w3)
+
+
+def test_unpacked_torch_compile_fullgraph_matches_eager():
+    from conftest import assert_compiled_matches_eager
+
+    torch.manual_seed(0)
+    assert_compiled_matches_eager(TinyUnpackedExperts(), torch.randn(18, 32, requires_grad=True), tol=1e-5)
+
+
 # ---- torch.compile -------------------------------------------------------------------------
 
 class TinyMoE(nn.Module):
@@ -546,7 +759,7 @@ def test_opcheck_registered_ops(way_in):
     bwd = (torch.randn_like(y), x, x12, offsets, w12, b12, w3, b3, rw, *spec, [True] * 6, perm, K, combine)
     torch.library.opcheck(torch.ops.swiglu_cupy.moe_experts_backward.default, bwd)
     grads = torch.ops.swiglu_cupy.moe_experts_backward(*bwd)
-    assert [g.shape for g in grads] == [t.shape for t in (x, w12, b12, w3, b3, rw)]
+    assert [g.shape for g in grads] == [t.shape for t in (x, w12, b12, w3, b3, rw)] + [(0,)]  # no w_up
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -640,6 +853,17 @@ def test_fsdp2_two_ranks_matches_one_process(case, tmp_path, monkeypatch):
 
 
 # ---- GPU ------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_unpacked_matches_fp64_reference_and_packed(dtype, monkeypatch):
+    """grouped_experts_unpacked on the GPU, both GEMM schedules, every saving mode."""
+    for schedule in SCHEDULES:
+        with monkeypatch.context() as m:
+            use_schedule(m, schedule)
+            for mode in UNPACKED_MODES:
+                assert_unpacked_matches(mode, dtype, False, dtype == torch.float32, "cuda")
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

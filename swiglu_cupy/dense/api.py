@@ -17,7 +17,7 @@ from .. import _validation as check
 from .._autograd import graph_needed, under_autocast
 from .._tiling import resolve_tile_rows
 from .._validation import Role
-from ..activations import resolve_activation
+from ..activations import resolve_activation, resolve_halves_activation
 from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
@@ -117,17 +117,8 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
     fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32)
     return _run([x, w1, b1, w2, b2, w3, b3],
-                (_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward, fp8,
+                (resolve_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward, fp8,
                  tile_rows, tile_grads_fp32))
-
-
-def _halves_activation(activation, what: str):
-    spec = resolve_activation(activation)
-    if spec.interleaved:
-        raise ValueError(f"activation={spec} is interleaved, which describes a packed w12/x12; {what} are "
-                         "separate tensors here. Pass the same spec with interleaved=False "
-                         "(dataclasses.replace(activation, interleaved=False)).")
-    return spec
 
 
 def _from_dlpack_module(array):
@@ -155,7 +146,7 @@ def silu_mul(gate, up, activation="silu"):
     same kind of array (no autograd there).
     """
     check.reject_jit()
-    spec = _halves_activation(activation, "gate and up")
+    spec = resolve_halves_activation(activation, "gate and up")
     if not isinstance(gate, torch.Tensor) and hasattr(gate, "__dlpack__"):
         if not hasattr(up, "__dlpack__") or isinstance(up, torch.Tensor):
             raise TypeError(f"up must be a DLPack array like gate ({type(gate).__name__}), "

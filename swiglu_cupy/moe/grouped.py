@@ -69,14 +69,14 @@ from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
 from .._tiling import HALF_DTYPES, resolve_tile_rows, tile_slices
-from ..activations import GLUActivation, resolve_activation
+from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
 from ..primitives.saved_x12 import saved_row_bytes
 from . import selfcheck
 from .tokens import TokenRows
 
-__all__ = ["grouped_experts", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
+__all__ = ["grouped_experts", "grouped_experts_unpacked", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -112,10 +112,11 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all((n * size) % 16 == 0 for n in widths) and _aligned(x) and all(_aligned(w) for w in weights)
 
 
-def _grouped(x, w12, w3, activation: GLUActivation) -> bool:
+def _grouped(x, w12, w3, w_up, activation: GLUActivation) -> bool:
     """grouped_mm for this call: where it runs and the grouped path passed its
     first-use self-check (``moe.selfcheck``); else the per-expert loop."""
-    return grouped_mm_runs(x, w12, w3) and selfcheck.grouped_path_trusted(x, activation, _forward_body,
+    weights = (w12, w3) if w_up is None else (w12, w_up, w3)
+    return grouped_mm_runs(x, *weights) and selfcheck.grouped_path_trusted(x, activation, _forward_body,
                                                                           _backward_body)
 
 
@@ -156,15 +157,18 @@ class _Groups:
         return torch.segment_reduce(wide, "sum", lengths=lengths, axis=0)[:self.experts].to(t.dtype)
 
 
-def _rows_linear(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, groups: _Groups) -> torch.Tensor:
-    """[S, N]: the rows of expert e times ``b[e]`` ([E, K, N], any strides), plus ``bias[e]``.
-    Rows past the last group (a sentinel tail) are left unspecified."""
+def _rows_linear(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, groups: _Groups,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """[S, N]: the rows of expert e times ``b[e]`` ([E, K, N], any strides), plus ``bias[e]``,
+    in ``out`` where given (any row stride: a half of x12). Rows past the last group (a
+    sentinel tail) are left unspecified."""
     if groups.grouped:
-        out = F.grouped_mm(a, b, offs=groups.offsets)
+        result = F.grouped_mm(a, b, offs=groups.offsets)  # grouped_mm has no out=
+        result = result if out is None else out.copy_(result)
         if bias is not None:  # grouped_mm's bias= is refused on CPU
-            out.add_(bias.index_select(0, groups.row_expert()))
-        return out
-    out = a.new_empty((a.shape[0], b.shape[2]))
+            result.add_(bias.index_select(0, groups.row_expert()))
+        return result
+    out = a.new_empty((a.shape[0], b.shape[2])) if out is None else out
     for e, (s, t) in enumerate(groups.bounds):
         if t > s:
             if bias is None:
@@ -190,6 +194,40 @@ def _kn(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     return w if transposed else w.transpose(1, 2)
 
 
+# Separate gate/up weights (``w_up`` not None: ``w12`` holds the gate weight, [E, I, D] or
+# transposed [E, D, I], and ``w_up`` the up weight alike): the gate and up GEMMs write the
+# two halves of one x12, so x12, the kernels and what is saved are the packed layout's,
+# and the weights are never concatenated.
+
+def _gate_up_rows(rows, w12, w_up, b12, transposed: bool, groups: _Groups) -> torch.Tensor:
+    """x12 [S, 2I]: the rows' gate/up projection (one GEMM, or one per half)."""
+    if w_up is None:
+        return _rows_linear(rows, _kn(w12, transposed), b12, groups)
+    gate, up = _kn(w12, transposed), _kn(w_up, transposed)
+    I = gate.shape[2]
+    x12 = rows.new_empty((rows.shape[0], 2 * I))
+    _rows_linear(rows, gate, None if b12 is None else b12[:, :I], groups, out=x12[:, :I])
+    _rows_linear(rows, up, None if b12 is None else b12[:, I:], groups, out=x12[:, I:])
+    return x12
+
+
+def _gate_up_input_grad(dx12, w12, w_up, transposed: bool, groups: _Groups) -> torch.Tensor:
+    """dx [S, D] = dx12 @ W12[e] (separate weights: dgate @ Wgate[e] + dup @ Wup[e])."""
+    if w_up is None:
+        return _rows_linear(dx12, _kn(w12, transposed).transpose(1, 2), None, groups)
+    I = dx12.shape[1] // 2
+    dx = _rows_linear(dx12[:, :I], _kn(w12, transposed).transpose(1, 2), None, groups)
+    return dx.add_(_rows_linear(dx12[:, I:], _kn(w_up, transposed).transpose(1, 2), None, groups))
+
+
+def _gate_up_weight_grads(rows, dx12, separate: bool, transposed: bool, groups: _Groups) -> tuple:
+    """(dW12, None), or with separate weights (dWgate, dWup): each in its weight's layout."""
+    I = dx12.shape[1] // 2
+    halves = (dx12[:, :I], dx12[:, I:]) if separate else (dx12,)
+    grads = tuple(_weight_grad(rows, d, groups) if transposed else _weight_grad(d, rows, groups) for d in halves)
+    return grads if separate else (grads[0], None)
+
+
 def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Per-row dot product, [S]: accumulated in fp32 (fp64 for float64), the
     products and the result in the storage dtype, as the eager router
@@ -205,13 +243,13 @@ def _token_rows(perm, top_k: int) -> TokenRows | None:
 
 
 def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool, tail: bool,
-                  perm, top_k: int, combine_dtype, fp8: bool = False):
+                  perm, top_k: int, combine_dtype, fp8: bool = False, w_up=None):
     tokens = _token_rows(perm, top_k)
     rows = x if tokens is None else tokens.gather(x)                         # the routed rows, not saved
     if tokens is not None and rw is not None:
         rw = tokens.slots_to_rows(rw)
-    groups = _Groups(offsets, rows.shape[0], _grouped(x, w12, w3, activation), tail)
-    x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)              # GEMM 1
+    groups = _Groups(offsets, rows.shape[0], _grouped(x, w12, w3, w_up, activation), tail)
+    x12 = _gate_up_rows(rows, w12, w_up, b12, transposed, groups)            # GEMM 1 (2 separate)
     del rows  # the gathered copy is not kept
     if fp8:  # h and the 8-bit saved x12 (returned in x12's place) in one pass
         h, x12 = run.run_swiglu_forward_fp8(x12, None, None, activation)
@@ -227,7 +265,8 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
 
 
 def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, transposed: bool,
-                   tail: bool, needs: tuple, perm, top_k: int, combine_dtype, fp8: bool = False):
+                   tail: bool, needs: tuple, perm, top_k: int, combine_dtype, fp8: bool = False, w_up=None):
+    """(dx, dw12, db12, dw3, db3, drw, dw_up); ``need_w12`` covers ``w_up`` too."""
     need_x, need_w12, need_b12, need_w3, need_b3, need_rw = needs
     # Autograd may hand any strides (y.sum().backward(): an expanded, zero-stride dy),
     # which grouped_mm refuses; a no-op for the usual contiguous gradient.
@@ -238,14 +277,14 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
             dy = tokens.gather(dy)                                           # each row's token gradient
         if rw is not None:
             rw = tokens.slots_to_rows(rw)
-    groups = _Groups(offsets, x.shape[0] if tokens is None else perm.shape[0], _grouped(x, w12, w3, activation),
-                     tail)
+    groups = _Groups(offsets, x.shape[0] if tokens is None else perm.shape[0],
+                     _grouped(x, w12, w3, w_up, activation), tail)
     # The routed rows, gathered again from the tokens only where a GEMM reads them.
     rows = x if tokens is None else None
     recomputed = x12 is None
     if recomputed:
         rows = rows if rows is not None else tokens.gather(x)
-        x12 = _rows_linear(rows, _kn(w12, transposed), b12, groups)         # recompute_gate_up: GEMM
+        x12 = _gate_up_rows(rows, w12, w_up, b12, transposed, groups)       # recompute_gate_up: GEMM
     dtype = x.dtype
     w = None if rw is None else rw.unsqueeze(1)
     dyw = dy.to(dtype) if w is None else (dy * w).to(dtype)                  # d(down output), one rounding
@@ -265,7 +304,7 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     else:
         dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None,
                                           activation)
-    dx = dw12 = db12 = dw3 = db3 = drw = None
+    dx = dw12 = db12 = dw3 = db3 = drw = dw_up = None
     if g is not None:
         drw = _row_dot(g, h)                                                 # dy . (h W3 + b3)
         if b3 is not None:
@@ -278,15 +317,15 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     if need_b3:
         db3 = groups.segment_sums(dyw)
     if need_x:
-        dx = groups.zero_tail(_rows_linear(dx12, _kn(w12, transposed).transpose(1, 2), None, groups))
+        dx = groups.zero_tail(_gate_up_input_grad(dx12, w12, w_up, transposed, groups))
         if tokens is not None:
             dx = tokens.sum_per_token(dx, x.dtype)                           # each token's K row gradients
     if need_w12:
         rows = rows if rows is not None else tokens.gather(x)
-        dw12 = _weight_grad(rows, dx12, groups) if transposed else _weight_grad(dx12, rows, groups)
+        dw12, dw_up = _gate_up_weight_grads(rows, dx12, w_up is not None, transposed, groups)
     if need_b12:
         db12 = groups.segment_sums(dx12)
-    return dx, dw12, db12, dw3, db3, drw
+    return dx, dw12, db12, dw3, db3, drw, dw_up
 
 
 # ---- registered ops: what torch.compile / torch.export trace --------------------------------
@@ -296,15 +335,17 @@ def _forward_op(x: torch.Tensor, offsets: torch.Tensor, w12: torch.Tensor, b12: 
                 w3: torch.Tensor, b3: torch.Tensor | None, rw: torch.Tensor | None, kind: str,
                 limit: float | None, alpha: float, up_offset: float, interleaved: bool, transposed: bool,
                 tail: bool, perm: torch.Tensor | None, top_k: int,
-                combine_dtype: torch.dtype | None, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                combine_dtype: torch.dtype | None, fp8: bool = False,
+                w_up: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
-    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, perm, top_k, combine_dtype, fp8)
+    return _forward_body(x, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, perm, top_k, combine_dtype, fp8,
+                         w_up)
 
 
 @_forward_op.register_fake
 def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail, perm, top_k,
-      combine_dtype, fp8=False):
-    two_i = w12.shape[2] if transposed else w12.shape[1]
+      combine_dtype, fp8=False, w_up=None):
+    two_i = (w12.shape[2] if transposed else w12.shape[1]) * (1 if w_up is None else 2)
     rows = x.shape[0] if perm is None else perm.shape[0]
     if combine_dtype is not None:
         y = x.new_empty((x.shape[0], x.shape[1]), dtype=combine_dtype)
@@ -320,36 +361,41 @@ def _backward_op(dy: torch.Tensor, x: torch.Tensor, x12: torch.Tensor | None, of
                  w12: torch.Tensor, b12: torch.Tensor | None, w3: torch.Tensor, b3: torch.Tensor | None,
                  rw: torch.Tensor | None, kind: str, limit: float | None, alpha: float, up_offset: float,
                  interleaved: bool, transposed: bool, tail: bool, needs: list[bool], perm: torch.Tensor | None,
-                 top_k: int, combine_dtype: torch.dtype | None, fp8: bool = False) -> list[torch.Tensor]:
+                 top_k: int, combine_dtype: torch.dtype | None, fp8: bool = False,
+                 w_up: torch.Tensor | None = None) -> list[torch.Tensor]:
     spec = GLUActivation(kind, limit, alpha, up_offset, interleaved)
     grads = _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, spec, transposed, tail, tuple(needs),
-                           perm, top_k, combine_dtype, fp8)
+                           perm, top_k, combine_dtype, fp8, w_up)
     return [x.new_empty(0) if g is None else g for g in grads]  # an op returns tensors only
 
 
 @_backward_op.register_fake
 def _(dy, x, x12, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleaved, transposed, tail,
-      needs, perm, top_k, combine_dtype, fp8=False):
-    like = (x, w12, b12, w3, b3, rw)  # dx is per token, drw per slot, on the tokens path
+      needs, perm, top_k, combine_dtype, fp8=False, w_up=None):
+    like = (x, w12, b12, w3, b3, rw, w_up)  # dx is per token, drw per slot, on the tokens path
+    needs = (*needs, needs[1])  # need_w12 covers w_up
     return [t.new_empty(t.shape) if need and t is not None else x.new_empty(0) for need, t in zip(needs, like)]
 
 
-def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype, fp8):
+def _forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype, fp8,
+             w_up=None):
     if torch.compiler.is_compiling():
         return _forward_op(x, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed, tail, perm, top_k,
-                           combine_dtype, fp8)
+                           combine_dtype, fp8, w_up)
     return _forward_body(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype,
-                         fp8)
+                         fp8, w_up)
 
 
 def _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,
-              combine_dtype, fp8):
+              combine_dtype, fp8, w_up=None):
+    """(dx, dw12, db12, dw3, db3, drw, dw_up), None where not needed."""
     if torch.compiler.is_compiling():
         grads = _backward_op(dy, x, x12, offsets, w12, b12, w3, b3, rw, *spec_args(activation), transposed,
-                             tail, list(needs), perm, top_k, combine_dtype, fp8)
-        return tuple(g if need else None for g, need in zip(grads, needs))
+                             tail, list(needs), perm, top_k, combine_dtype, fp8, w_up)
+        needed = (*needs, needs[1] and w_up is not None)
+        return tuple(g if need else None for g, need in zip(grads, needed))
     return _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs,
-                          perm, top_k, combine_dtype, fp8)
+                          perm, top_k, combine_dtype, fp8, w_up)
 
 
 # ---- row tiles (tile_rows=): the same bodies a tile at a time -------------------------------
@@ -368,7 +414,7 @@ def rows_tile_offsets(offsets: torch.Tensor, rows: int, tile: int) -> torch.Tens
 
 
 def _tiled_forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, perm, top_k, combine_dtype,
-                   fp8, tile):
+                   fp8, tile, w_up=None):
     """The forward a tile at a time: ``offsets`` [n_tiles, E] and ``perm`` (tokens
     path) tile-local. Returns (y, the 8-bit x12 of every row with ``fp8``, else an
     empty [rows, 0]: nothing of x12 is kept)."""
@@ -379,7 +425,7 @@ def _tiled_forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tai
     rows_total = perm.shape[0] if tokens else x.shape[0]
     for i, items, rows in _tile_parts(x.shape[0], tile, top_k, tokens):
         y_t, x12_t = _forward(x[items], offsets[i], w12, b12, w3, b3, None if rw is None else rw[rows], activation,
-                              transposed, tail, perm[rows] if tokens else None, top_k, combine_dtype, fp8)
+                              transposed, tail, perm[rows] if tokens else None, top_k, combine_dtype, fp8, w_up)
         out_rows = items if combine_dtype is not None else rows
         if functional:
             y_parts.append(y_t)
@@ -401,7 +447,7 @@ def _tiled_forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tai
 
 
 def _tiled_backward(dy, x, saved, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,
-                    combine_dtype, fp8, tile, grads_fp32):
+                    combine_dtype, fp8, tile, grads_fp32, w_up=None):
     """The backward a tile at a time (x12 recomputed per tile, or read from the 8-bit
     rows); the weight and bias gradients of the tiles are summed, in float32 for 16-bit
     weights with ``grads_fp32``, and rounded once at the end."""
@@ -411,14 +457,14 @@ def _tiled_backward(dy, x, saved, offsets, w12, b12, w3, b3, rw, activation, tra
     acc_dtype = torch.float32 if grads_fp32 and w12.dtype in HALF_DTYPES else None
     dx = x.new_empty(x.shape) if need_x and not functional else None
     drw = rw.new_empty(rw.shape) if need_rw and not functional else None
-    dx_parts, drw_parts, sums = [], [], [None] * 4    # dw12, db12, dw3, db3
+    dx_parts, drw_parts, sums = [], [], [None] * 5    # dw12, db12, dw3, db3, dw_up
     for i, items, rows in _tile_parts(x.shape[0], tile, top_k, tokens):
         dy_t = dy[items] if combine_dtype is not None or not tokens else dy[rows]
-        dx_t, dw12_t, db12_t, dw3_t, db3_t, drw_t = _backward(
+        dx_t, dw12_t, db12_t, dw3_t, db3_t, drw_t, dw_up_t = _backward(
             dy_t, x[items], saved[rows] if fp8 else None, offsets[i], w12, b12, w3, b3,
             None if rw is None else rw[rows], activation, transposed, tail, needs,
-            perm[rows] if tokens else None, top_k, combine_dtype, fp8)
-        for j, part in enumerate((dw12_t, db12_t, dw3_t, db3_t)):
+            perm[rows] if tokens else None, top_k, combine_dtype, fp8, w_up)
+        for j, part in enumerate((dw12_t, db12_t, dw3_t, db3_t, dw_up_t)):
             if part is not None:
                 part = part if acc_dtype is None else part.to(acc_dtype)
                 sums[j] = part if sums[j] is None else (sums[j] + part if functional else sums[j].add_(part))
@@ -426,12 +472,12 @@ def _tiled_backward(dy, x, saved, offsets, w12, b12, w3, b3, rw, activation, tra
             dx_parts.append(dx_t) if functional else dx[items].copy_(dx_t)
         if need_rw:
             drw_parts.append(drw_t) if functional else drw[rows].copy_(drw_t)
-        del dx_t, drw_t, dw12_t, dw3_t
+        del dx_t, drw_t, dw12_t, dw3_t, dw_up_t
     if functional:
         dx = torch.cat(dx_parts) if need_x else None
         drw = torch.cat(drw_parts) if need_rw else None
-    dw12, db12, dw3, db3 = (None if g is None else g.to(w12.dtype) for g in sums)
-    return dx, dw12, db12, dw3, db3, drw
+    dw12, db12, dw3, db3, dw_up = (None if g is None else g.to(w12.dtype) for g in sums)
+    return dx, dw12, db12, dw3, db3, drw, dw_up
 
 
 # ---- the Function --------------------------------------------------------------------------
@@ -441,7 +487,7 @@ class MoEExpertsFunction(LeanApplyFunction):
 
     ``apply(x, offsets, w12, b12, w3, b3, routing_weights, activation,
     transposed, recompute_gate_up, tail, perm, top_k, combine_dtype,
-    saved_x12_fp8, tile, tile_grads_fp32) -> (y, x12)``, all positional: the arguments were validated by the caller
+    saved_x12_fp8, tile, tile_grads_fp32, w_up) -> (y, x12)``, all positional: the arguments were validated by the caller
     (``grouped_experts`` / ``routed_experts`` / the Hugging Face experts
     function). ``perm`` None: ``x`` holds the grouped rows [S, D] and
     ``routing_weights`` is [S]. Else ``x`` holds T tokens [T, D],
@@ -457,24 +503,27 @@ class MoEExpertsFunction(LeanApplyFunction):
     (``rows_tile_offsets``, ``routing.sort_by_expert_in_tiles``); nothing of
     x12 is saved (the tiles' 8-bit x12 with ``saved_x12_fp8``), and the tiles'
     weight gradients sum in float32 for 16-bit weights (``tile_grads_fp32``).
+    ``w_up`` not None: separate gate (``w12``) and up (``w_up``) weights,
+    ``[E, I, D]`` each (transposed ``[E, D, I]``), halves-layout activation;
+    ``b12`` stays packed ``[E, 2I]``.
     """
 
     @staticmethod
     def forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, recompute_gate_up, tail,
-                perm, top_k, combine_dtype, saved_x12_fp8, tile, tile_grads_fp32):
+                perm, top_k, combine_dtype, saved_x12_fp8, tile, tile_grads_fp32, w_up):
         if tile:
             return _tiled_forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
-                                  top_k, combine_dtype, saved_x12_fp8, tile)
+                                  top_k, combine_dtype, saved_x12_fp8, tile, w_up)
         return _forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm, top_k,
-                        combine_dtype, saved_x12_fp8)
+                        combine_dtype, saved_x12_fp8, w_up)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, offsets, w12, b12, w3, b3, rw, activation, transposed, recompute_gate_up, tail, perm, top_k, \
-            combine_dtype, saved_x12_fp8, tile, tile_grads_fp32 = inputs
+            combine_dtype, saved_x12_fp8, tile, tile_grads_fp32, w_up = inputs
         mark_saved_only(ctx, output[1])
         keep_x12 = not recompute_gate_up and (saved_x12_fp8 or not tile)
-        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, output[1] if keep_x12 else None)
+        ctx.save_for_backward(x, offsets, w12, b12, w3, b3, rw, perm, output[1] if keep_x12 else None, w_up)
         ctx.modes = (activation, transposed, tail)
         ctx.tokens = (top_k, combine_dtype, saved_x12_fp8)
         ctx.tile = (tile, tile_grads_fp32)
@@ -483,24 +532,27 @@ class MoEExpertsFunction(LeanApplyFunction):
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 17
-        x, offsets, w12, b12, w3, b3, rw, perm, x12 = ctx.saved_tensors
+            return (None,) * 18
+        x, offsets, w12, b12, w3, b3, rw, perm, x12, w_up = ctx.saved_tensors
         need_x, _, need_w12, need_b12, need_w3, need_b3, need_rw = ctx.needs_input_grad[:7]
-        needs = (need_x, need_w12, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
+        need_w_up = w_up is not None and ctx.needs_input_grad[17]
+        needs = (need_x, need_w12 or need_w_up, need_b12 and b12 is not None, need_w3, need_b3 and b3 is not None,
                  need_rw and rw is not None)
         if ctx.tile[0]:
             grads = _tiled_backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs, perm, *ctx.tokens,
-                                    *ctx.tile)
+                                    *ctx.tile, w_up)
         else:
-            grads = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs, perm, *ctx.tokens)
-        dx, dw12, db12, dw3, db3, drw = grads
-        return (dx, None, dw12, db12, dw3, db3, drw) + (None,) * 10
+            grads = _backward(dy, x, x12, offsets, w12, b12, w3, b3, rw, *ctx.modes, needs, perm, *ctx.tokens,
+                              w_up)
+        dx, dw12, db12, dw3, db3, drw, dw_up = grads
+        return ((dx, None, dw12 if need_w12 else None, db12, dw3, db3, drw) + (None,) * 10
+                + (dw_up if need_w_up else None,))
 
 
 def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUActivation, transposed: bool,
                 recompute_gate_up: bool, tail: bool, perm: torch.Tensor | None = None, top_k: int = 1,
                 combine_dtype: torch.dtype | None = None, saved_x12_fp8: bool = False, tile: int = 0,
-                tile_grads_fp32: bool = True) -> torch.Tensor:
+                tile_grads_fp32: bool = True, w_up: torch.Tensor | None = None) -> torch.Tensor:
     """The Function on arguments valid by construction (no checks): the one
     place it is applied (``perm``, ``top_k``, ``combine_dtype``: the tokens
     way in, see ``MoEExpertsFunction``). Under autocast, x and the weights
@@ -508,21 +560,22 @@ def run_experts(x, offsets, w12, b12, w3, b3, routing_weights, activation: GLUAc
     forward runs without the Function (no graph, nothing to save).
     ``saved_x12_fp8``: see ``grouped_experts``'s ``saved_x12`` (checked by
     the caller). ``tile``: rows (tokens) per tile, with ``offsets`` and ``perm``
-    prepared for it (see ``MoEExpertsFunction``), or 0."""
+    prepared for it (see ``MoEExpertsFunction``), or 0. ``w_up``: the separate
+    up weight (``w12`` then holds the gate weight), or None."""
     def run(tensors):
-        x, w12, b12, w3, b3 = tensors
-        if graph_needed(x, w12, w3):
+        x, w12, b12, w3, b3, w_up = tensors
+        if graph_needed(x, w12, w3, w_up):
             if saved_x12_fp8:
                 check.check_fp8_compute_dtype(x.dtype)
             return MoEExpertsFunction.apply(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed,
                                             recompute_gate_up, tail, perm, top_k, combine_dtype, saved_x12_fp8,
-                                            tile, tile_grads_fp32)[0]
+                                            tile, tile_grads_fp32, w_up)[0]
         if tile:
             return _tiled_forward(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
-                                  top_k, combine_dtype, False, tile)[0]
+                                  top_k, combine_dtype, False, tile, w_up)[0]
         return _forward_body(x, offsets, w12, b12, w3, b3, routing_weights, activation, transposed, tail, perm,
-                             top_k, combine_dtype)[0]
-    return under_autocast(x.device.type, [x, w12, b12, w3, b3], run)
+                             top_k, combine_dtype, False, w_up)[0]
+    return under_autocast(x.device.type, [x, w12, b12, w3, b3, w_up], run)
 
 
 # ---- public API ----------------------------------------------------------------------------
@@ -550,22 +603,61 @@ def grouped_experts(x_sorted: torch.Tensor, offsets: torch.Tensor, w12: torch.Te
     Layouts: the module docstring.
     """
     check.reject_jit()
+    _check_rows(x_sorted)
+    E, I = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
+    return _run_grouped(x_sorted, offsets, E, I, w12, b12, w3, b3, None, routing_weights, resolve_activation(activation),
+                        transposed, recompute_gate_up, saved_x12, tile_rows, tile_grads_fp32)
+
+
+def grouped_experts_unpacked(x_sorted: torch.Tensor, offsets: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                             w3: torch.Tensor, b1: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                             b3: torch.Tensor | None = None, *, routing_weights: torch.Tensor | None = None,
+                             activation="silu", transposed: bool = False, recompute_gate_up: bool = False,
+                             saved_x12=None, tile_rows=None, tile_grads_fp32: bool = True) -> torch.Tensor:
+    """``grouped_experts`` with separate gate (``w1``, ``b1``) and up (``w2``, ``b2``) weights:
+    ``w1``/``w2`` ``[E, I, D]`` each (``transposed``: ``[E, D, I]``), ``w3`` ``[E, D, I]``
+    (``[E, I, D]``), ``b1``/``b2`` ``[E, I]``, ``b3`` ``[E, D]``.
+
+    The gate and up GEMMs write the two halves of one x12 buffer, so the
+    weights are never concatenated (no per-call ``[E, 2I, D]`` copy, nothing of
+    them saved beyond the parameters themselves); the same Function, kernels,
+    saved tensors and options as ``grouped_experts``. The backward takes one
+    GEMM more (dx is ``dgate W1 + dup W2``). Halves-layout activations only.
+    The biases, if any, are packed per call (``[E, 2I]``: small).
+    """
+    check.reject_jit()
+    _check_rows(x_sorted)
+    E, I = check.check_unpacked_expert_weights("x_sorted", x_sorted, w1, w2, w3, b1, b2, b3, transposed)
+    spec = resolve_halves_activation(activation, "w1 and w2")
+    b12 = None
+    if b1 is not None or b2 is not None:
+        zeros = (b1 if b1 is not None else b2).new_zeros((E, I))
+        b12 = torch.cat([b1 if b1 is not None else zeros, b2 if b2 is not None else zeros], dim=1)
+    return _run_grouped(x_sorted, offsets, E, I, w1, b12, w3, b3, w2, routing_weights, spec, transposed,
+                        recompute_gate_up, saved_x12, tile_rows, tile_grads_fp32)
+
+
+def _check_rows(x_sorted) -> None:
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
         shape = tuple(x_sorted.shape) if isinstance(x_sorted, torch.Tensor) else type(x_sorted).__name__
         raise ValueError(f"x_sorted must be a 2-D tensor [S, D], got {shape}")
-    E, _ = check.check_expert_weights("x_sorted", x_sorted, w12, w3, b12, b3, transposed)
+
+
+def _run_grouped(x_sorted, offsets, E: int, I: int, w12, b12, w3, b3, w_up, routing_weights, spec, transposed,
+                 recompute_gate_up, saved_x12, tile_rows, tile_grads_fp32) -> torch.Tensor:
+    """The checks and the run both rows entries share (their weights already checked)."""
     check.check_flags(recompute_gate_up=recompute_gate_up, tile_grads_fp32=tile_grads_fp32)
     check.check_tile_rows(tile_rows)
     fp8 = check.check_saved_x12(saved_x12, recompute_gate_up)
-    spec = resolve_activation(activation)
     S = x_sorted.shape[0]
     check.check_offsets(offsets, E, S, x_sorted.device)
     check.check_routing_weights("routing_weights", routing_weights, (S,), x_sorted)
-    tile = resolve_tile_rows(tile_rows, S, expert_width(w12, transposed), compute_dtype(x_sorted))
+    tile = resolve_tile_rows(tile_rows, S, I, compute_dtype(x_sorted))
     if tile:
         offsets = rows_tile_offsets(offsets, S, tile)
     return run_experts(x_sorted, offsets, w12, b12, w3, b3, routing_weights, spec, transposed,
-                       recompute_gate_up, False, saved_x12_fp8=fp8, tile=tile, tile_grads_fp32=tile_grads_fp32)
+                       recompute_gate_up, False, saved_x12_fp8=fp8, tile=tile, tile_grads_fp32=tile_grads_fp32,
+                       w_up=w_up)
 
 
 def expert_width(w12: torch.Tensor, transposed: bool) -> int:
