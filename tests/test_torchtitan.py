@@ -302,6 +302,7 @@ def test_fused_swiglu_overrides_patched(name):
     calls = _count_fused_calls()
     logits, grads = run(model, tokens(model))
     assert calls["swiglu"] > 0 and calls["glu_mul"] == 0 and (name not in MOE or calls["grouped_experts"]), calls
+    assert calls["grouped_experts_unpacked"] == 0, calls  # w13: interleaved w12, a view
     logits0, grads0 = run(stock, tokens(stock))
     assert_close("logits", logits, logits0, 1e-5, ref[0], f"{name}: ")
     grads = _split_w13(grads)
@@ -450,7 +451,7 @@ def _parallelized(name, patched, world, full_precision=False, ep=1, tp=1, backen
 
 def _count_fused_calls():
     calls = {}
-    for fn in ("swiglu_unpacked", "swiglu", "grouped_experts", "glu_mul"):
+    for fn in ("swiglu_unpacked", "swiglu", "grouped_experts", "grouped_experts_unpacked", "glu_mul"):
         calls[fn] = 0
         original = getattr(sctt, fn)
         if hasattr(original, "_counted"):
@@ -489,7 +490,9 @@ def run_torchtitan_rank(case, rank, world):
         if variant == "patched" and tp == 1:
             # The fused ops ran: FSDP hands plain unsharded weights to the forward, and the
             # forward wrappers torchtitan puts on each Linear under EP redistribute nothing.
-            assert calls["swiglu_unpacked"] > 0 and (name not in MOE or calls["grouped_experts"] > 0), calls
+            # GroupedExperts' separate w1_EFD/w3_EFD run the unpacked entry (no concatenated copy).
+            assert calls["swiglu_unpacked"] > 0 and calls["grouped_experts"] == 0, calls
+            assert (name in MOE) == (calls["grouped_experts_unpacked"] > 0), calls
             assert calls["glu_mul"] == 0, calls
         elif variant == "patched":
             # TP: the projections hold DTensor shards, so only the activation is ours,

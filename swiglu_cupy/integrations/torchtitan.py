@@ -26,11 +26,11 @@ GroupedExperts keep torchtitan's numerics contract: operands cast to bf16
 back with ``type_as(x)``; the router scores stay where torchtitan applies
 them (the token dispatcher's ``combine``, after the experts), so the experts
 op runs with ``routing_weights=None``. The separate ``w1_EFD``/``w3_EFD``
-layout is packed per call into ``w12 [E, 2F, D]`` (one ``torch.cat`` of the
-bf16 casts: a copy of 2·E·F·D elements per forward, and its backward splits
-the gradient); the fused ``w13 [E, F, 2, D]`` layout is a view (interleaved
-gate/up), no copy. The entry that would remove the copy: see
-``UNPACKED_EXPERTS_ENTRY_NEEDED``. torchtitan's token dispatcher hands
+layout runs ``grouped_experts_unpacked`` (the gate and up GEMMs write the
+halves of one x12: the weights are not concatenated); the fused
+``w13 [E, F, 2, D]`` layout is a view (interleaved gate/up) on
+``grouped_experts``. Neither copies the weights beyond torchtitan's own bf16
+casts (no copy for bf16 parameters). torchtitan's token dispatcher hands
 GroupedExperts rows already sorted by expert, so ``grouped_experts`` saves
 those rows as given (``x_RD``, or its bf16 cast where it is not bf16) and
 x12: the least there is to save at that interface (``routed_experts``, which
@@ -59,24 +59,13 @@ from torch import nn
 from .._validation import check_tile_rows
 from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
-from ..moe.grouped import grouped_experts
+from ..moe.grouped import grouped_experts, grouped_experts_unpacked
 from .forward import linear_obstacle
 from .fused import switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
            "is_torchtitan_switchable", "torchtitan_base",
-           "SwiGLUCupyConverter", "UNPACKED_EXPERTS_ENTRY_NEEDED"]
-
-#: What swiglu_cupy.moe would need so the separate w1_EFD/w3_EFD layout runs
-#: without packing the weights on every call.
-UNPACKED_EXPERTS_ENTRY_NEEDED = (
-    "swiglu_cupy.moe.grouped_experts_unpacked(x_sorted [S, D], offsets [E] int32, "
-    "w_gate [E, F, D], w_up [E, F, D], w_down [E, D, F], b_gate=None, b_up=None, b_down=None, *, "
-    "routing_weights=None, activation='silu', recompute_gate_up=False) -> [S, D]: the same apply-only "
-    "Function as grouped_experts, whose forward runs the gate and the up grouped GEMMs into the two "
-    "halves of one x12 [S, 2F] buffer (as swiglu_unpacked does for the dense op) and whose backward "
-    "returns dW_gate = dgate^T x and dW_up = dup^T x per expert from the two halves of dx12, and "
-    "dx = dgate W_gate + dup W_up; saved tensors unchanged (x_sorted, x12, offsets).")
+           "SwiGLUCupyConverter"]
 
 _SILU = GLUActivation("silu")
 _SILU_INTERLEAVED = GLUActivation("silu", interleaved=True)
@@ -129,17 +118,16 @@ def _experts_forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Te
     """torchtitan's ``GroupedExperts.forward`` contract on ``swiglu_cupy.moe.grouped_experts``."""
     offsets_E = torch.cumsum(num_tokens_per_expert_E, dim=0, dtype=torch.int32)
     w2_EDF = _local(self.w2_EDF).bfloat16()
+    modes = {"recompute_gate_up": getattr(self, "_swiglu_cupy_recompute_gate_up", False),
+             "tile_rows": getattr(self, "_swiglu_cupy_tile_rows", None)}
     if "w13" in self._parameters:
         w13 = _local(self.w13)
         E, F, _, D = w13.shape
         w12 = w13.bfloat16().reshape(E, 2 * F, D)  # rows g0, u0, g1, u1, ...: a view
-        activation = _SILU_INTERLEAVED
+        y = grouped_experts(x_RD.bfloat16(), offsets_E, w12, w2_EDF, activation=_SILU_INTERLEAVED, **modes)
     else:
-        w12 = torch.cat([_local(self.w1_EFD).bfloat16(), _local(self.w3_EFD).bfloat16()], dim=1)
-        activation = _SILU
-    y = grouped_experts(x_RD.bfloat16(), offsets_E, w12, w2_EDF, activation=activation,
-                        recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False),
-                        tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
+        y = grouped_experts_unpacked(x_RD.bfloat16(), offsets_E, _local(self.w1_EFD).bfloat16(),
+                                     _local(self.w3_EFD).bfloat16(), w2_EDF, activation=_SILU, **modes)
     return y.type_as(x_RD)
 
 
@@ -341,9 +329,9 @@ def patch_torchtitan_class(module: nn.Module, recompute_gate_up: bool = False, t
     if base is _fused_swiglu_base():
         return "swiglu_cupy.swiglu, w13 [F, 2, D] as interleaved w12 (a view)" + tail
     packed = "w13" in module._parameters
-    layout = ("w13 [E, F, 2, D] as interleaved w12 (a view)" if packed else
-              "w1_EFD/w3_EFD packed per call into w12 [E, 2F, D]")
-    return (f"swiglu_cupy.moe.grouped_experts, bf16 as torchtitan, {layout}; router scores in the "
+    layout = ("grouped_experts, w13 [E, F, 2, D] as interleaved w12 (a view)" if packed else
+              "grouped_experts_unpacked, w1_EFD/w3_EFD as the gate and up weights (not concatenated)")
+    return (f"swiglu_cupy.moe.{layout}, bf16 as torchtitan; router scores in the "
             f"dispatcher's combine" + tail)
 
 
