@@ -636,8 +636,9 @@ def test_olmo_core_moe_experts_and_shared_mlp_are_fused_whole_with_parity(
 def test_olmo_core_experts_of_other_classes_are_skipped_with_their_reason(olmo_core):
     """Only ``MoEMLP`` and ``DroplessMoEMLP`` themselves are switched (their
     forwards are reproduced): a subclass with its own forward, another
-    ``MoEMLPBase`` class (``KNOWN_UNFUSED``) or a replaced instance forward
-    is named in the report with the reason and left as it is. A switched
+    ``MoEMLPBase`` class or OLMo-core's v2 ``RoutedExperts`` (``KNOWN_UNFUSED``)
+    or a replaced instance forward is named in the report with the reason
+    and left as it is. A switched
     one survives deepcopy (pickles as OLMo-core's class, switched on load)
     and patching again."""
     from olmo_core.nn.moe import mlp as olmo_mlp
@@ -654,16 +655,21 @@ def test_olmo_core_experts_of_other_classes_are_skipped_with_their_reason(olmo_c
         def forward(self, x):
             return x
 
+    from olmo_core.config import DType
+    from olmo_core.nn.moe.v2.routed_experts import RoutedExperts
+
     kw = dict(d_model=8, hidden_size=16, num_experts=2)
     model = nn.ModuleDict({"plain": olmo_mlp.MoEMLP(**kw), "dropless": olmo_mlp.DroplessMoEMLP(**kw),
                            "sub": ScaledExperts(**kw), "other": OtherExperts(),
-                           "hooked": olmo_mlp.MoEMLP(**kw)})
+                           "hooked": olmo_mlp.MoEMLP(**kw),
+                           "v2": RoutedExperts(**kw, bias=False, dtype=DType.float32)})
     model["hooked"].forward = lambda x: x
     report = sc.patch(model)
     assert sorted(report.fused) == ["dropless", "plain"], str(report)
     assert report.skipped == {
         "sub": "ScaledExperts subclasses MoEMLP with its own forward, which swiglu_cupy does not reproduce",
         "other": sc_patching.KNOWN_UNFUSED[("olmo_core.nn.moe.mlp", "MoEMLPBase")],
+        "v2": sc_patching.KNOWN_UNFUSED[("olmo_core.nn.moe.v2.routed_experts", "RoutedExperts")],
         "hooked": "its forward is replaced on the instance, which would bypass the fusion"}, str(report)
     assert type(model["sub"]) is ScaledExperts and type(model["other"]) is OtherExperts
     copied = copy.deepcopy(model)
