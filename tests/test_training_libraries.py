@@ -562,13 +562,13 @@ def experts_calls(monkeypatch):
     from swiglu_cupy.integrations import olmo_core_experts
 
     calls = []
-    real = olmo_core_experts.grouped_experts
+    real = olmo_core_experts.grouped_experts_unpacked
 
     def counting(x_sorted, *args, **kwargs):
         calls.append(x_sorted.shape[0])
         return real(x_sorted, *args, **kwargs)
 
-    monkeypatch.setattr(olmo_core_experts, "grouped_experts", counting)
+    monkeypatch.setattr(olmo_core_experts, "grouped_experts_unpacked", counting)
     return calls
 
 
@@ -592,7 +592,7 @@ def test_olmo_core_moe_experts_and_shared_mlp_are_fused_whole_with_parity(
     """``llama_like_moe`` (capacity-padded ``MoEMLP`` or ``DroplessMoEMLP``,
     whose w1/w2/w3 stack every expert in three 2-D parameters, and a
     ``shared_mlp`` ``FeedForward``): every experts module runs
-    ``swiglu_cupy.moe.grouped_experts`` and every shared MLP the whole fused
+    ``swiglu_cupy.moe.grouped_experts_unpacked`` and every shared MLP the whole fused
     MLP, nothing skipped; logits and every gradient (router included) match
     the unpatched copy. Checkpointed by OLMo-core's own
     ``apply_activation_checkpointing("selected_modules")`` around the experts
@@ -620,7 +620,8 @@ def test_olmo_core_moe_experts_and_shared_mlp_are_fused_whole_with_parity(
         module = model.get_submodule(path)
         assert type(module).__name__ == f"SwiGLUCupy{experts_class}" and type(module).__mro__[1].__name__ == experts_class
         assert report.classes[path] == experts_class
-        assert report.fused[path].startswith("swiglu_cupy.moe.grouped_experts, silu: ") and "(a copy)" in report.fused[path]
+        line = report.fused[path]
+        assert line.startswith("swiglu_cupy.moe.grouped_experts_unpacked, silu: ") and "not concatenated" in line
     if checkpointed:
         for m in (model, reference):
             m.apply_activation_checkpointing("selected_modules", modules=["blocks.*.feed_forward_moe.experts",
@@ -630,6 +631,38 @@ def test_olmo_core_moe_experts_and_shared_mlp_are_fused_whole_with_parity(
     assert_model_parity(model, reference, lambda m: m(tokens))
     runs = len(experts) * (2 if checkpointed else 1)  # checkpointed: forward and recompute
     assert experts_calls == [rows] * runs and whole_mlp_calls == [24] * runs
+
+
+@NO_GROUPED_GEMM
+@pytest.mark.parametrize("case", sorted(OLMO_MOE))
+def test_olmo_core_moe_experts_save_no_weight_copy(olmo_core, case):
+    """The fused experts save, beyond the parameters, exactly the rows and x12
+    (gate and up are never concatenated: no [E, 2H, D] copy), which is less
+    than OLMo-core's own experts save; the outputs match."""
+    from swiglu_cupy.tools.bench.moe import saved_activation_bytes
+    from olmo_core.nn.moe import mlp as olmo_mlp
+
+    E, D, H = 4, 32, 48
+    experts = (olmo_mlp.DroplessMoEMLP if case == "dropless" else olmo_mlp.MoEMLP)(d_model=D, hidden_size=H,
+                                                                                  num_experts=E)
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    reference = copy.deepcopy(experts)
+    assert sc.patch(experts).fused, "not fused"
+    if case == "dropless":
+        counts = torch.tensor([5, 0, 7, 4])
+        x = torch.randn(int(counts.sum()), D, requires_grad=True)
+        call = lambda m: m(x, counts)  # noqa: E731
+    else:
+        x = torch.randn(E, 6, D, requires_grad=True)
+        call = lambda m: m(x)  # noqa: E731
+    rows = x.numel() // D
+    ours = saved_activation_bytes(lambda: call(experts), list(experts.parameters()) + [x])
+    theirs = saved_activation_bytes(lambda: call(reference), list(reference.parameters()) + [x])
+    assert ours == rows * 2 * H * 4 + E * 4, (ours, theirs)  # x12 fp32 and the int32 offsets; x is the input
+    assert ours < theirs, (ours, theirs)
+    torch.testing.assert_close(call(experts), call(reference), rtol=1e-5, atol=1e-6)
 
 
 @NO_GROUPED_GEMM

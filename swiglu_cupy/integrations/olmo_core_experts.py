@@ -1,4 +1,4 @@
-"""OLMo-core's stacked MoE experts on ``swiglu_cupy.moe.grouped_experts``.
+"""OLMo-core's stacked MoE experts on ``swiglu_cupy.moe.grouped_experts_unpacked``.
 
 OLMo-core (checked against ai2-olmo-core 3.0.0) keeps all experts of an MoE
 layer in three 2-D parameters of ``olmo_core.nn.moe.mlp``'s ``MoEMLP`` or
@@ -11,26 +11,23 @@ recognise), viewed per call as 3-D stacks. The activation is always SiLU
   ``w1``/``w3`` viewed ``[E, D, H]`` and ``w2`` ``[E, H, D]``, run by
   ``torch.bmm`` in the weights' dtype, the output cast back to ``x``'s.
   Fused: the rows ``[E*C, D]`` (a view) with offsets ``C, 2C, ...``,
-  ``transposed=True``; ``w2`` is the down weight as it is.
+  ``transposed=True``; ``w1``/``w3`` are the gate and up weights and ``w2``
+  the down weight as they are (views).
 * ``DroplessMoEMLP`` (``ParallelDroplessMLP``): ``forward(x,
   batch_size_per_expert)`` with ``x`` ``[S, D]`` sorted by expert, ``w1``/``w3``
   viewed ``[E, H, D]`` (``x @ w1[e].T``) and ``w2`` ``[E, H, D]`` (``h @
   w2[e]``), run by grouped_gemm's ``gmm`` in bf16 when grouped_gemm is
   installed (bf16 operands and output, whatever the parameter dtype), else
   by a loop of GEMMs in the given dtypes. Fused: offsets are the cumulative
-  ``batch_size_per_expert`` (int32); ``w2`` enters as the down weight
-  ``[E, D, H]`` through ``transpose(1, 2)`` (a view); with grouped_gemm
-  installed the operands are cast to bf16 as OLMo-core's ``gmm`` does.
+  ``batch_size_per_expert`` (int32); ``w1``/``w3`` are the gate and up
+  weights ``[E, H, D]`` and ``w2`` enters as the down weight ``[E, D, H]``
+  through ``transpose(1, 2)`` (views); with grouped_gemm installed the
+  operands are cast to bf16 as OLMo-core's ``gmm`` does.
 
-The copy: ``grouped_experts`` takes gate and up packed in one ``w12``, and
-OLMo-core holds them in two parameters, so each forward (and each
-checkpoint recompute) packs them with one ``torch.cat``: ``2·E·H·D``
-elements written per call (``[E, D, 2H]`` for ``MoEMLP``, ``[E, 2H, D]``
-for ``DroplessMoEMLP``), and the backward splits ``dw12`` into the two
-gradients. The entry that would remove it:
-``torchtitan.UNPACKED_EXPERTS_ENTRY_NEEDED`` (torchtitan's
-``w1_EFD``/``w3_EFD`` have the same cost today). ``grouped_experts`` checks
-the offsets' values on the host: one device-to-host copy per call.
+OLMo-core holds gate and up in two parameters; ``grouped_experts_unpacked``
+runs their two GEMMs into the halves of one x12, so the weights are never
+concatenated. It checks the offsets' values on the host: one device-to-host
+copy per call.
 
 Expert and tensor parallelism (``apply_ep``/``apply_tp``: the parameters
 become DTensors sharded over experts): the fused forward takes the local
@@ -54,7 +51,7 @@ import torch
 from torch import nn
 
 from .._validation import check_tile_rows
-from ..moe.grouped import grouped_experts
+from ..moe.grouped import grouped_experts_unpacked
 from .fused import switched_class
 
 __all__ = ["is_olmo_core_experts", "patch_olmo_core_experts", "olmo_core_skip_reason", "fused_olmo_core_class"]
@@ -90,9 +87,9 @@ def _moe_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     out_dtype = x.dtype
     x = x.type_as(w1)
     experts, capacity, _ = x.shape
-    w12 = torch.cat([w1, w3], dim=2)  # [E, D, 2H], gate half first: a copy per call
     offsets = torch.arange(1, experts + 1, device=x.device, dtype=torch.int32) * capacity
-    y = grouped_experts(x.reshape(experts * capacity, D), offsets, w12, w2, transposed=True, **_modes(self))
+    y = grouped_experts_unpacked(x.reshape(experts * capacity, D), offsets, w1, w3, w2, transposed=True,
+                                 **_modes(self))
     return y.view(experts, capacity, D).to(dtype=out_dtype)
 
 
@@ -104,9 +101,8 @@ def _dropless_forward(self, x: torch.Tensor, batch_size_per_expert: torch.Tensor
     w3 = _local(self.w3.view(E, H, D))
     if self._gmm is not None:  # grouped_gemm's contract: bf16 operands and output
         x, w1, w2, w3 = (t.to(torch.bfloat16) for t in (x, w1, w2, w3))
-    w12 = torch.cat([w1, w3], dim=1)  # [E, 2H, D], gate half first: a copy per call
     offsets = torch.cumsum(batch_size_per_expert.to(x.device), 0, dtype=torch.int32)
-    return grouped_experts(x, offsets, w12, w2.transpose(1, 2), **_modes(self))
+    return grouped_experts_unpacked(x, offsets, w1, w3, w2.transpose(1, 2), **_modes(self))
 
 
 # ---- the switched classes --------------------------------------------------------------------
@@ -167,7 +163,7 @@ def olmo_core_skip_reason(module: nn.Module) -> str | None:
 
 def patch_olmo_core_experts(module: nn.Module, recompute_gate_up: bool = False, tile_rows=None) -> str | None:
     """Switch an OLMo-core ``MoEMLP``/``DroplessMoEMLP`` in place so its
-    forward runs :func:`swiglu_cupy.moe.grouped_experts`, and return the
+    forward runs :func:`swiglu_cupy.moe.grouped_experts_unpacked`, and return the
     line the patch report shows; None if it cannot be
     (:func:`olmo_core_skip_reason` says why)."""
     if not isinstance(recompute_gate_up, bool):
@@ -185,10 +181,10 @@ def patch_olmo_core_experts(module: nn.Module, recompute_gate_up: bool = False, 
     tail = ((", recompute_gate_up" if recompute_gate_up else "") + ("" if tile_rows is None else f", tile_rows={tile_rows}")
             + (" (already fused)" if already else ""))
     if base is _classes()[0]:
-        layout = ("capacity-padded rows [E*C, D] (a view); w1/w3 packed per call into w12 [E, D, 2H] (a copy), "
-                  "w2 [E, H, D] as the down weight")
+        layout = ("capacity-padded rows [E*C, D] (a view); w1/w3 [E, D, H] as the gate and up weights, "
+                  "w2 [E, H, D] as the down weight (views, not concatenated)")
     else:
-        layout = ("rows sorted by expert, offsets from batch_size_per_expert; w1/w3 packed per call into "
-                  "w12 [E, 2H, D] (a copy), w2 as the down weight [E, D, H] (a view)"
+        layout = ("rows sorted by expert, offsets from batch_size_per_expert; w1/w3 [E, H, D] as the gate and "
+                  "up weights, w2 as the down weight [E, D, H] (views, not concatenated)"
                   + ("; bf16 as grouped_gemm" if module._gmm is not None else ""))
-    return f"swiglu_cupy.moe.grouped_experts, silu: {layout}" + tail
+    return f"swiglu_cupy.moe.grouped_experts_unpacked, silu: {layout}" + tail
