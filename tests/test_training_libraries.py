@@ -32,6 +32,7 @@ from torch import nn
 
 import swiglu_cupy as sc
 from swiglu_cupy.integrations import forward as fused_forward
+from swiglu_cupy.integrations import patching as sc_patching
 from swiglu_cupy.integrations.fused import FusedGLUMLP
 
 GRAD_RTOL = 1e-5
@@ -505,31 +506,210 @@ def test_olmo_core_normalized_feed_forward_is_skipped_with_its_reason(olmo_core)
     assert_model_parity(model, reference, lambda m: m(tokens))
 
 
-def test_olmo_core_moe_shared_mlp_is_fused_and_its_stacked_experts_are_not(olmo_core):
-    """``llama_like_moe``: each block's ``MoE`` holds a router, a
-    ``ParallelMLP`` whose ``MoEMLP`` keeps every expert's w1/w2/w3 stacked in
-    three 2-D parameters (no projection modules: nothing the walk can take
-    for a GLU; the report names it, skipped, with the reason), and a
-    ``shared_mlp`` ``FeedForward``, which is fused. The
-    MoE forward cannot run on the CPU (its token gather is a Triton kernel),
-    so only the shared MLP is checked, on its own, against its unpatched copy."""
-    from olmo_core.nn.feed_forward import FeedForward
-    from olmo_core.nn.moe.mlp import MoEMLP
+@pytest.fixture
+def olmo_moe_routing_on_cpu(olmo_core, monkeypatch):
+    """OLMo-core's MoE routes tokens with Triton kernels (``olmo_core.ops.moe``'s
+    gather/scatter and their binned, capacity-padded forms), which do not run
+    on the CPU: here they are the same index maps in plain torch (differentiable
+    by autograd), for the patched model and its unpatched copy alike. Only the
+    routing is replaced; the router, the experts' modules and their callers
+    (``ParallelMLP``/``ParallelDroplessMLP``) are OLMo-core's own.
 
+    ``indices`` lists the routed slots (token * top_k + k) in expert order and
+    ``bins`` the cumulative group ends; the binned forms keep the first
+    ``capacity`` rows of each expert, zero padding past its count."""
+    import olmo_core.ops.moe as routing_ops
+
+    def gather(x, indices, bin_ids, bins, top_k):
+        return x[indices.long() // top_k]
+
+    def scatter(x, indices, bin_ids, weights, bins, top_k):
+        slots = indices.long()
+        rows = x if weights is None else x * weights[slots].unsqueeze(1)
+        return x.new_zeros((slots.shape[0], x.shape[1])).index_copy(0, slots, rows).view(-1, top_k, x.shape[1]).sum(1)
+
+    def kept(indices, bins, capacity):
+        """(position in the padded [E * capacity] rows, routed slot) of every row kept."""
+        ends = bins.long()
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        rank = torch.arange(indices.shape[0])
+        expert = torch.searchsorted(ends, rank, right=True)
+        within = rank - starts[expert]
+        keep = within < capacity
+        return expert[keep] * capacity + within[keep], indices.long()[keep]
+
+    def binned_gather(x, indices, bins, capacity, top_k):
+        padded, slots = kept(indices, bins, capacity)
+        out = x.new_zeros((bins.shape[0] * capacity, x.shape[1]))
+        return out.index_copy(0, padded, x[slots // top_k]).view(bins.shape[0], capacity, x.shape[1])
+
+    def binned_scatter(x, indices, weights, bins, top_k):
+        experts, capacity, width = x.shape
+        padded, slots = kept(indices, bins, capacity)
+        rows = x.reshape(experts * capacity, width)[padded]
+        if weights is not None:
+            rows = rows * weights[slots].unsqueeze(1)
+        return x.new_zeros((indices.shape[0], width)).index_copy(0, slots, rows).view(-1, top_k, width).sum(1)
+
+    for name, fn in (("gather", gather), ("scatter", scatter), ("binned_gather", binned_gather),
+                     ("binned_scatter", binned_scatter)):
+        monkeypatch.setattr(routing_ops, name, fn)
+
+
+@pytest.fixture
+def experts_calls(monkeypatch):
+    """The rows of every call of the MoE op by OLMo-core's fused experts."""
+    from swiglu_cupy.integrations import olmo_core_experts
+
+    calls = []
+    real = olmo_core_experts.grouped_experts_unpacked
+
+    def counting(x_sorted, *args, **kwargs):
+        calls.append(x_sorted.shape[0])
+        return real(x_sorted, *args, **kwargs)
+
+    monkeypatch.setattr(olmo_core_experts, "grouped_experts_unpacked", counting)
+    return calls
+
+
+# case -> llama_like_moe's overrides, the experts class, the rows the op runs per layer
+# (24 tokens, top-2 of 4 experts: dropless, 48 routed rows; capacity factor 1: 16 per
+# expert, ensure_multiple_of(int(1.0 * 2 * 24 / 4), 8), some padding and some dropped)
+OLMO_MOE = {
+    "capacity": (dict(capacity_factor=1.0), "MoEMLP", 4 * 16),
+    "dropless": (dict(dropless=True), "DroplessMoEMLP", 48),
+}
+
+
+NO_GROUPED_GEMM = pytest.mark.filterwarnings("ignore:Grouped GEMM not available")  # DroplessMoEMLP's, at build
+
+
+@NO_GROUPED_GEMM
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+@pytest.mark.parametrize("case", sorted(OLMO_MOE))
+def test_olmo_core_moe_experts_and_shared_mlp_are_fused_whole_with_parity(
+        olmo_core, olmo_moe_routing_on_cpu, case, checkpointed, whole_mlp_calls, experts_calls):
+    """``llama_like_moe`` (capacity-padded ``MoEMLP`` or ``DroplessMoEMLP``,
+    whose w1/w2/w3 stack every expert in three 2-D parameters, and a
+    ``shared_mlp`` ``FeedForward``): every experts module runs
+    ``swiglu_cupy.moe.grouped_experts_unpacked`` and every shared MLP the whole fused
+    MLP, nothing skipped; logits and every gradient (router included) match
+    the unpatched copy. Checkpointed by OLMo-core's own
+    ``apply_activation_checkpointing("selected_modules")`` around the experts
+    and the shared MLPs: OLMo-core refuses to wrap MoE blocks ("full",
+    "selected_blocks") or the MoE module, and its "selected_ops" fails on the
+    CPU in the rotary embedding, unpatched too."""
+    from olmo_core.nn.feed_forward import FeedForward
+    from olmo_core.nn.moe import mlp as olmo_mlp
+
+    overrides, experts_class, rows = OLMO_MOE[case]
     model = olmo_model(olmo_core, "llama_like_moe", num_experts=4, top_k=2, expert_hidden_size=48,
-                       shared_expert_hidden_size=40, capacity_factor=2.0, hidden_size_multiple_of=16)
-    shared = {p: copy.deepcopy(m) for p, m in model.named_modules() if isinstance(m, FeedForward)}
-    stacked = [p for p, m in model.named_modules() if isinstance(m, MoEMLP)]
+                       shared_expert_hidden_size=40, hidden_size_multiple_of=16, **overrides)
+    reference = copy.deepcopy(model)
     report = sc.patch(model)
-    assert sorted(assert_fused_whole(report, model, (FeedForward,), skipped=stacked)) == sorted(shared)
-    assert all(p.endswith("feed_forward_moe.shared_mlp") for p in shared)
-    assert len(stacked) == 2 and not any(p in report.fused or p.startswith(tuple(report.fused)) for p in stacked)
-    # not fused, and said so: each stacked experts module is in the report with the reason
-    assert all("OLMo-core's stacked experts" in report.skipped[p] for p in stacked), str(report)
-    assert all(report.classes[p] == "MoEMLP" for p in stacked)
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(8))
-    for path, reference in shared.items():
-        assert_model_parity(model.get_submodule(path), reference, lambda m: m(x))
+    shared = [p for p, m in model.named_modules() if isinstance(m, FeedForward)]
+    experts = [p for p, m in model.named_modules() if isinstance(m, olmo_mlp.MoEMLPBase)]
+    assert len(shared) == len(experts) == 2 and all(p.endswith("feed_forward_moe.experts.mlp") for p in experts)
+    assert report.skipped == report.partial == report.pending == {} and report.unreached == {}, str(report)
+    assert sorted(report.fused) == sorted(shared + experts), str(report)
+    for path in shared:
+        module = model.get_submodule(path)
+        assert isinstance(module, FusedGLUMLP) and module.fusion() == "mlp", path
+        assert report.fused[path] == "silu: w1/w3 -> w2"
+    for path in experts:
+        module = model.get_submodule(path)
+        assert type(module).__name__ == f"SwiGLUCupy{experts_class}" and type(module).__mro__[1].__name__ == experts_class
+        assert report.classes[path] == experts_class
+        line = report.fused[path]
+        assert line.startswith("swiglu_cupy.moe.grouped_experts_unpacked, silu: ") and "not concatenated" in line
+    if checkpointed:
+        for m in (model, reference):
+            m.apply_activation_checkpointing("selected_modules", modules=["blocks.*.feed_forward_moe.experts",
+                                                                          "blocks.*.feed_forward_moe.shared_mlp"])
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(8))
+    whole_mlp_calls.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    runs = len(experts) * (2 if checkpointed else 1)  # checkpointed: forward and recompute
+    assert experts_calls == [rows] * runs and whole_mlp_calls == [24] * runs
+
+
+@NO_GROUPED_GEMM
+@pytest.mark.parametrize("case", sorted(OLMO_MOE))
+def test_olmo_core_moe_experts_save_no_weight_copy(olmo_core, case):
+    """The fused experts save, beyond the parameters, exactly the rows and x12
+    (gate and up are never concatenated: no [E, 2H, D] copy), which is less
+    than OLMo-core's own experts save; the outputs match."""
+    from swiglu_cupy.tools.bench.moe import saved_activation_bytes
+    from olmo_core.nn.moe import mlp as olmo_mlp
+
+    E, D, H = 4, 32, 48
+    experts = (olmo_mlp.DroplessMoEMLP if case == "dropless" else olmo_mlp.MoEMLP)(d_model=D, hidden_size=H,
+                                                                                  num_experts=E)
+    torch.manual_seed(0)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    reference = copy.deepcopy(experts)
+    assert sc.patch(experts).fused, "not fused"
+    if case == "dropless":
+        counts = torch.tensor([5, 0, 7, 4])
+        x = torch.randn(int(counts.sum()), D, requires_grad=True)
+        call = lambda m: m(x, counts)  # noqa: E731
+    else:
+        x = torch.randn(E, 6, D, requires_grad=True)
+        call = lambda m: m(x)  # noqa: E731
+    rows = x.numel() // D
+    ours = saved_activation_bytes(lambda: call(experts), list(experts.parameters()) + [x])
+    theirs = saved_activation_bytes(lambda: call(reference), list(reference.parameters()) + [x])
+    assert ours == rows * 2 * H * 4 + E * 4, (ours, theirs)  # x12 fp32 and the int32 offsets; x is the input
+    assert ours < theirs, (ours, theirs)
+    torch.testing.assert_close(call(experts), call(reference), rtol=1e-5, atol=1e-6)
+
+
+@NO_GROUPED_GEMM
+def test_olmo_core_experts_of_other_classes_are_skipped_with_their_reason(olmo_core):
+    """Only ``MoEMLP`` and ``DroplessMoEMLP`` themselves are switched (their
+    forwards are reproduced): a subclass with its own forward, another
+    ``MoEMLPBase`` class or OLMo-core's v2 ``RoutedExperts`` (``KNOWN_UNFUSED``)
+    or a replaced instance forward is named in the report with the reason
+    and left as it is. A switched
+    one survives deepcopy (pickles as OLMo-core's class, switched on load)
+    and patching again."""
+    from olmo_core.nn.moe import mlp as olmo_mlp
+
+    class ScaledExperts(olmo_mlp.MoEMLP):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class OtherExperts(olmo_mlp.MoEMLPBase):
+        def __init__(self):
+            super().__init__(d_model=8, hidden_size=16, num_experts=2)
+            self.w1, self.w2, self.w3 = (nn.Parameter(torch.randn(2 * 8, 16)) for _ in range(3))
+
+        def forward(self, x):
+            return x
+
+    from olmo_core.config import DType
+    from olmo_core.nn.moe.v2.routed_experts import RoutedExperts
+
+    kw = dict(d_model=8, hidden_size=16, num_experts=2)
+    model = nn.ModuleDict({"plain": olmo_mlp.MoEMLP(**kw), "dropless": olmo_mlp.DroplessMoEMLP(**kw),
+                           "sub": ScaledExperts(**kw), "other": OtherExperts(),
+                           "hooked": olmo_mlp.MoEMLP(**kw),
+                           "v2": RoutedExperts(**kw, bias=False, dtype=DType.float32)})
+    model["hooked"].forward = lambda x: x
+    report = sc.patch(model)
+    assert sorted(report.fused) == ["dropless", "plain"], str(report)
+    assert report.skipped == {
+        "sub": "ScaledExperts subclasses MoEMLP with its own forward, which swiglu_cupy does not reproduce",
+        "other": sc_patching.KNOWN_UNFUSED[("olmo_core.nn.moe.mlp", "MoEMLPBase")],
+        "v2": sc_patching.KNOWN_UNFUSED[("olmo_core.nn.moe.v2.routed_experts", "RoutedExperts")],
+        "hooked": "its forward is replaced on the instance, which would bypass the fusion"}, str(report)
+    assert type(model["sub"]) is ScaledExperts and type(model["other"]) is OtherExperts
+    copied = copy.deepcopy(model)
+    assert type(copied["plain"]) is type(model["plain"]) and type(copied["plain"]).__name__ == "SwiGLUCupyMoEMLP"
+    again = sc.patch(model)
+    assert sorted(again.fused) == ["dropless", "plain"] and all(v.endswith("(already fused)")
+                                                               for v in again.fused.values()), str(again)
 
 
 def test_stand_ins_leave_nothing_behind(torchtune, olmo_core):

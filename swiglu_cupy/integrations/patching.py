@@ -40,6 +40,7 @@ from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
 from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
 from .fused import FusedGLUMLP, install, install_pending, resolve_pending, unmaterialised, zero3_partitioned
+from .olmo_core_experts import is_olmo_core_experts, olmo_core_skip_reason, patch_olmo_core_experts
 from .probe import choose_plan
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
@@ -178,10 +179,10 @@ def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x1
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
 #: under any other names, xformers' SwiGLU, Hugging Face MoE experts,
-#: torchtitan's MoE ``GroupedExperts``. The
+#: torchtitan's MoE ``GroupedExperts``, OLMo-core's stacked MoE experts. The
 #: narrow entries (``hf.patch_model``, ``xformers.patch_xformers``) are
 #: :func:`walk` over some of them: the same candidates, probe and result.
-FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
+FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan", "olmo_core"})
 _FAMILY_WORDS = {"hf": "under Hugging Face's names", "generic": "under other names"}
 _FAMILY_ENTRY = {"hf": "swiglu_cupy.patch or hf.patch_model", "generic": "swiglu_cupy.patch"}
 
@@ -192,6 +193,8 @@ def _family_of_class(module: nn.Module) -> str | None:
         return "xformers"
     if is_torchtitan_switchable(module):
         return "torchtitan"
+    if is_olmo_core_experts(module):
+        return "olmo_core"
     return None
 
 
@@ -199,10 +202,16 @@ def _family_of_class(module: nn.Module) -> str | None:
 #: (module path, class name; subclasses included) and leaves alone, with the
 #: reason, so that nothing it meets and does not fuse goes unreported. Looked
 #: up only where the library is already imported.
+#: (OLMo-core's ``MoEMLP`` and ``DroplessMoEMLP`` themselves are fused by
+#: ``olmo_core_experts`` before this lookup; what else derives from their base
+#: is named here.)
 KNOWN_UNFUSED = {
     ("olmo_core.nn.moe.mlp", "MoEMLPBase"): (
-        "OLMo-core's stacked experts (w1/w2/w3 as 2-D parameters over all experts, run by torch.bmm in "
-        "MoEMLP or a grouped GEMM in DroplessMoEMLP): not a layout swiglu_cupy fuses yet; left as is"),
+        "OLMo-core's stacked experts of a class other than MoEMLP or DroplessMoEMLP, whose forward "
+        "swiglu_cupy does not reproduce; left as is"),
+    ("olmo_core.nn.moe.v2.routed_experts", "RoutedExperts"): (
+        "OLMo-core's v2 routed experts (moe_fused_v2: packed w_up_gate, its own activations and "
+        "grouped GEMMs): not a class swiglu_cupy fuses yet; left as is"),
 }
 
 
@@ -295,6 +304,16 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 else:  # patch_torchtitan_class refuses exactly when there is a reason
                     report.skipped[path] = torchtitan_skip_reason(module)
             continue
+        if is_olmo_core_experts(module):
+            handled[path] = f"OLMo-core {type(module).__name__}"
+            if "olmo_core" in families:
+                report.classes[path] = getattr(type(module), "_swiglu_base", type(module)).__name__
+                note = patch_olmo_core_experts(module, recompute_gate_up, tile_rows)
+                if note is not None:
+                    report.fused[path] = note
+                else:  # patch_olmo_core_experts refuses exactly when there is a reason
+                    report.skipped[path] = olmo_core_skip_reason(module)
+            continue
         found = glu_candidates(module)
         if found is None:
             reason = known_unfused_reason(module)
@@ -347,8 +366,9 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     timm's ``GluMlp`` (either gate order), ``SwiGLU`` and ``SwiGLUPacked``,
     three-projection modules under any names (torchtitan's ``w1``/``w3``/
     ``w2``), torchtitan's MoE ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
-    fused ``w13``; decided from the class, also on meta) and Hugging Face MoE
-    experts. On the meta device, where nothing can be computed, modules are
+    fused ``w13``; decided from the class, also on meta), OLMo-core's stacked
+    MoE experts (``MoEMLP``, ``DroplessMoEMLP``; from the class) and Hugging
+    Face MoE experts. On the meta device, where nothing can be computed, modules are
     switched undecided (``report.pending``) and the probe decides at their
     first forward on real weights. A module is patched only if its own
     forward agrees with the fused one on a probe input (``verify=False``
@@ -357,8 +377,8 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     unpatched model. Patching again changes nothing; already fused modules are
     reported again as such. ``recompute_gate_up``/``inplace_backward`` select
     the memory modes; ``saved_x12="fp8"`` saves x12 in 8 bits in the fused
-    MLPs (whole-MLP fusion) and Hugging Face experts (torchtitan's experts
-    and xformers' modules keep theirs). ``tile_rows`` (an int or ``"auto"``) runs the
+    MLPs (whole-MLP fusion) and Hugging Face experts (torchtitan's and
+    OLMo-core's experts and xformers' modules keep theirs). ``tile_rows`` (an int or ``"auto"``) runs the
     whole-MLP fused modules and the Hugging Face experts in row tiles for long inputs
     (see :func:`swiglu_cupy.swiglu`). ``strict=True`` raises ``ValueError`` if nothing is fused.
     """
