@@ -164,6 +164,9 @@ def test_patch_fuses_every_feed_forward_and_experts(name):
     ref_model = full_precision_experts(model) if name in MOE else None
     report = sc.patch(model)
     assert_report(name, model, report)
+    assert report.already == []
+    again = sc.patch(model)  # patching again changes nothing and says every module was fused before
+    assert sorted(again.fused) == sorted(report.fused) == sorted(again.already), str(again)
     model.verify_module_protocol()
     assert list(model.state_dict()) == list(reference.state_dict())
     compare(name, model, reference, tokens(model), ref_model)

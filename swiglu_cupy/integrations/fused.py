@@ -24,7 +24,7 @@ from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
 
 __all__ = ["FusedGLUMLP", "fused_class", "install", "install_pending", "CLASS_FORMS", "unmaterialised",
-           "zero3_partitioned"]
+           "zero3_partitioned", "switched_class", "switched_base"]
 
 class FusedGLUMLP(nn.Module):
     """The fused forward, mixed in front of a module's own class.
@@ -108,6 +108,11 @@ def switched_class(kind: str, base: type, make) -> type:
                                       "__reduce_ex__": _reduce_switched})
         _SWITCHED[(kind, base)] = switched
     return switched
+
+
+def switched_base(module: nn.Module) -> type:
+    """The class a switched module came from (else its own class)."""
+    return getattr(type(module), "_swiglu_base", type(module))
 
 
 def _reduce_switched(self, protocol):

@@ -52,7 +52,7 @@ from torch import nn
 
 from .._validation import check_tile_rows
 from ..moe.grouped import grouped_experts_unpacked
-from .fused import switched_class
+from .fused import switched_base, switched_class
 
 __all__ = ["is_olmo_core_experts", "patch_olmo_core_experts", "olmo_core_skip_reason", "fused_olmo_core_class"]
 
@@ -125,18 +125,13 @@ def is_olmo_core_experts(module: nn.Module) -> bool:
     return bool(classes) and isinstance(module, classes)
 
 
-def _base_of(module: nn.Module) -> type:
-    cls = type(module)
-    return getattr(cls, "_swiglu_base", cls)
-
-
 def olmo_core_skip_reason(module: nn.Module) -> str | None:
     """Why an OLMo-core ``MoEMLP``/``DroplessMoEMLP`` cannot be switched, or
     None if it can be (or ``module`` is neither)."""
     if not is_olmo_core_experts(module):
         return None
     classes = _classes()
-    base, cls = _base_of(module), type(module)
+    base, cls = switched_base(module), type(module)
     if base not in classes:
         fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
         if fsdp is not None and isinstance(module, fsdp):
@@ -171,7 +166,7 @@ def patch_olmo_core_experts(module: nn.Module, recompute_gate_up: bool = False, 
     check_tile_rows(tile_rows)
     if not is_olmo_core_experts(module) or olmo_core_skip_reason(module) is not None:
         return None
-    base = _base_of(module)
+    base = switched_base(module)
     fused = fused_olmo_core_class(base)
     already = isinstance(module, fused)
     if not already:  # a subclass of the fused class (FSDP2's, after fully_shard) keeps its class

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -39,11 +40,12 @@ from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
 from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
-from .fused import FusedGLUMLP, install, install_pending, resolve_pending, unmaterialised, zero3_partitioned
+from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, switched_base, unmaterialised,
+                    zero3_partitioned)
 from .olmo_core_experts import is_olmo_core_experts, olmo_core_skip_reason, patch_olmo_core_experts
 from .probe import choose_plan
 from .recognition import GLUPlan, glu_candidates
-from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
+from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
 
 __all__ = ["patch", "PatchReport", "walk", "FAMILIES"]
@@ -187,15 +189,40 @@ _FAMILY_WORDS = {"hf": "under Hugging Face's names", "generic": "under other nam
 _FAMILY_ENTRY = {"hf": "swiglu_cupy.patch or hf.patch_model", "generic": "swiglu_cupy.patch"}
 
 
+@dataclasses.dataclass(frozen=True)
+class _ClassSwitch:
+    """A library whose modules the walk knows by their class and switches
+    (``fused.switched_class``) without a probe: its family, its name in the
+    report, and its module's test and patch (``patch(module, options)``: the
+    walk's options by name -> the report line, or None exactly when
+    ``skip_reason(module)`` says why not)."""
+    family: str
+    name: str
+    matches: Callable[[nn.Module], bool]
+    patch: Callable[[nn.Module, dict], str | None]  # (module, options)
+    skip_reason: Callable[[nn.Module], str | None]
+
+
+_CLASS_SWITCHES = (
+    _ClassSwitch("torchtitan", "torchtitan", is_torchtitan_switchable,
+                 lambda m, options: patch_torchtitan_class(m, options["recompute_gate_up"], options["tile_rows"]),
+                 torchtitan_skip_reason),
+    _ClassSwitch("olmo_core", "OLMo-core", is_olmo_core_experts,
+                 lambda m, options: patch_olmo_core_experts(m, options["recompute_gate_up"], options["tile_rows"]),
+                 olmo_core_skip_reason),
+)
+
+
+def _class_switch(module: nn.Module) -> _ClassSwitch | None:
+    return next((library for library in _CLASS_SWITCHES if library.matches(module)), None)
+
+
 def _family_of_class(module: nn.Module) -> str | None:
     """The family of a module recognised by its class alone (not by structure)."""
     if is_xformers_swiglu(module):
         return "xformers"
-    if is_torchtitan_switchable(module):
-        return "torchtitan"
-    if is_olmo_core_experts(module):
-        return "olmo_core"
-    return None
+    library = _class_switch(module)
+    return None if library is None else library.family
 
 
 #: GLU experts classes of other libraries that the walk recognises by class
@@ -263,6 +290,8 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
     report = PatchReport()
     handled: dict[str, str] = {}  # path -> what the walk took it for (it does not look inside)
     modes = (recompute_gate_up, inplace_backward)
+    options = {"recompute_gate_up": recompute_gate_up, "inplace_backward": inplace_backward,
+               "saved_x12": saved_x12, "tile_rows": tile_rows}
     for path, module in model.named_modules(remove_duplicate=True):
         outer = next((p for p in handled if p == "" or path.startswith(p + ".")), None)
         if outer is not None:  # inside a module already handled: its projections
@@ -294,25 +323,19 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 report.classes[path] = type(module).__name__
                 report.fused[path] = patch_xformers_module(module)
             continue
-        if is_torchtitan_switchable(module):
-            handled[path] = f"torchtitan {torchtitan_base(module).__name__}"
-            if "torchtitan" in families:
-                report.classes[path] = torchtitan_base(module).__name__
-                note = patch_torchtitan_class(module, recompute_gate_up, tile_rows)
-                if note is not None:
+        library = _class_switch(module)
+        if library is not None:
+            base = switched_base(module).__name__
+            handled[path] = f"{library.name} {base}"
+            if library.family in families:
+                report.classes[path] = base
+                note = library.patch(module, options)
+                if note is None:  # the patch refuses exactly when there is a reason
+                    report.skipped[path] = library.skip_reason(module)
+                else:
                     report.fused[path] = note
-                else:  # patch_torchtitan_class refuses exactly when there is a reason
-                    report.skipped[path] = torchtitan_skip_reason(module)
-            continue
-        if is_olmo_core_experts(module):
-            handled[path] = f"OLMo-core {type(module).__name__}"
-            if "olmo_core" in families:
-                report.classes[path] = getattr(type(module), "_swiglu_base", type(module)).__name__
-                note = patch_olmo_core_experts(module, recompute_gate_up, tile_rows)
-                if note is not None:
-                    report.fused[path] = note
-                else:  # patch_olmo_core_experts refuses exactly when there is a reason
-                    report.skipped[path] = olmo_core_skip_reason(module)
+                    if note.endswith("(already fused)"):
+                        report.already.append(path)
             continue
         found = glu_candidates(module)
         if found is None:

@@ -61,7 +61,7 @@ from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts, grouped_experts_unpacked
 from .forward import linear_obstacle
-from .fused import switched_class
+from .fused import switched_base, switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
            "is_torchtitan_switchable", "torchtitan_base",
@@ -267,7 +267,7 @@ def is_torchtitan_switchable(module: nn.Module) -> bool:
 
 def torchtitan_base(module: nn.Module) -> type:
     """The torchtitan class a switched module came from (else its own class)."""
-    return getattr(type(module), "_swiglu_base", type(module))
+    return switched_base(module)
 
 
 def torchtitan_skip_reason(module: nn.Module) -> str | None:
