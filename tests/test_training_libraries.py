@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -459,6 +460,9 @@ def olmo_model(olmo_core, builder: str, **overrides):
     return model
 
 
+NO_GROUPED_GEMM = pytest.mark.filterwarnings("ignore:Grouped GEMM not available")  # DroplessMoEMLP's, at build
+
+
 OLMO_DENSE = {
     "llama_silu": ("llama_like", dict(hidden_size_multiple_of=16), "silu"),
     "gemma3_gelu_tanh": ("gemma3_like", dict(n_kv_heads=2, hidden_size=64), "gelu_tanh"),
@@ -489,21 +493,139 @@ def test_olmo_core_feed_forwards_are_fused_whole_with_parity(olmo_core, case, ch
     assert whole_mlp_calls == [24] * (len(paths) * (2 if checkpointed else 1))
 
 
-def test_olmo_core_normalized_feed_forward_is_skipped_with_its_reason(olmo_core):
-    """nGPT's ``NormalizedFeedForward`` scales w1 and w3 by parameters of
-    its own (``sw1``, ``sw3``) that the fused forward would not use: the
-    report names it skipped, and its forward is untouched."""
+@pytest.fixture
+def normalized_calls(monkeypatch):
+    """The rows of each call of ``swiglu_unpacked`` by OLMo-core's switched nGPT feed-forward."""
+    from swiglu_cupy.integrations import olmo_core as olmo_core_integration
+
+    calls = []
+    real = olmo_core_integration.swiglu_unpacked
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[:-1].numel())
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(olmo_core_integration, "swiglu_unpacked", counting)
+    return calls
+
+
+def _ngpt_model(olmo_core):
+    """``ngpt_like`` with its scales away from 1 (their init), so that folding them in is tested."""
     from olmo_core.nn.feed_forward import NormalizedFeedForward
 
     model = olmo_model(olmo_core, "ngpt_like")
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, NormalizedFeedForward):
+                for scale in (m.sw1, m.sw3):
+                    scale.copy_(0.5 + torch.rand(scale.shape, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["eager", "checkpointed"])
+def test_olmo_core_normalized_feed_forward_is_fused_whole_with_parity(olmo_core, checkpointed, normalized_calls):
+    """nGPT's ``NormalizedFeedForward`` (learned scales ``sw1``/``sw3`` on the
+    gate and up outputs) runs ``swiglu_unpacked`` with the scales folded into
+    the w1/w3 rows: logits and every gradient, the scales' included, match
+    the unpatched copy, also under OLMo-core's own ``"full"`` checkpointing;
+    its own methods (``normalize_matrices``) still work."""
+    from olmo_core.nn.feed_forward import NormalizedFeedForward
+
+    model = _ngpt_model(olmo_core)
     reference = copy.deepcopy(model)
     report = sc.patch(model)
     paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
-    assert paths and len(report) == 0 and sorted(report.skipped) == sorted(paths)
-    assert all(report.skipped[p] == "has parameters or buffers of its own" for p in paths)
-    assert not any(isinstance(m, FusedGLUMLP) for m in model.modules())
+    assert paths and sorted(report.fused) == sorted(paths) and not report.skipped, str(report)
+    assert report.skipped == report.partial == report.pending == {} and report.unreached == {}, str(report)
+    for path in paths:
+        module = model.get_submodule(path)
+        assert type(module).__name__ == "SwiGLUCupyNormalizedFeedForward", path
+        assert report.classes[path] == "NormalizedFeedForward"
+        assert report.fused[path].startswith("swiglu_cupy.swiglu_unpacked, silu: w1/w3 -> w2, the scales")
+    assert list(model.state_dict()) == list(reference.state_dict())
+    if checkpointed:
+        for m in (model, reference):
+            m.apply_activation_checkpointing("full")
     tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
     assert_model_parity(model, reference, lambda m: m(tokens))
+    assert normalized_calls == [24] * (len(paths) * (2 if checkpointed else 1))
+    for m in model.modules():
+        if isinstance(m, NormalizedFeedForward):
+            m.normalize_matrices()
+            torch.testing.assert_close(m.w1.weight.norm(dim=-1), torch.ones(m.w1.weight.shape[0]))
+
+
+def test_olmo_core_normalized_feed_forward_with_hooked_linears(olmo_core, normalized_calls):
+    """A linear hooked before ``patch()`` (a LoRA, ZeRO-3, FSDP2 on the child)
+    leaves the module unswitched, named in report.skipped with the reason; a
+    hook put on after patching makes the call run OLMo-core's own forward,
+    which the hook sees."""
+    from olmo_core.nn.feed_forward import NormalizedFeedForward
+
+    model = _ngpt_model(olmo_core)
+    paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
+    seen = []
+    model.get_submodule(paths[0]).w3.register_forward_hook(lambda m, args, out: seen.append("before"))
+    reference = copy.deepcopy(model)
+    report = sc.patch(model)
+    assert report.skipped == {paths[0]: "w3: Linear has hooks"}, str(report)
+    assert sorted(report.fused) == sorted(paths[1:]), str(report)
+    assert type(model.get_submodule(paths[0])) is NormalizedFeedForward
+    model.get_submodule(paths[1]).w1.register_forward_hook(lambda m, args, out: seen.append("after"))
+    reference.get_submodule(paths[1]).w1.register_forward_hook(lambda m, args, out: seen.append("after"))
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+    seen.clear()
+    assert_model_parity(model, reference, lambda m: m(tokens))
+    assert seen.count("before") == 2 and seen.count("after") == 2, seen  # each hook ran in both models
+    assert normalized_calls == [24] * (len(paths) - 2)
+
+
+def _olmo_core_builders(olmo_core):
+    """OLMo-core's named model builders: ``TransformerConfig`` classmethods that
+    need nothing but ``vocab_size`` (the ``*_like`` ones also need the sizes)."""
+    def needs_only_vocab_size(fn) -> bool:
+        params = inspect.signature(fn).parameters
+        required = [n for n, p in params.items() if p.default is p.empty and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        return required == ["vocab_size"]
+
+    config = olmo_core.TransformerConfig
+    return [name for name, value in vars(config).items()
+            if isinstance(value, classmethod) and needs_only_vocab_size(getattr(config, name))]
+
+
+@NO_GROUPED_GEMM
+def test_every_olmo_core_builder_is_fused_or_named(olmo_core):
+    """Every named ``TransformerConfig`` builder of OLMo-core (olmo2/olmo3,
+    llama2/3, gemma3, qwen3, smallmoe, OLMoE, nGPT, ...; the ``*_like`` ones
+    with required sizes are the tiny models of the tests above), built on the
+    meta device at its real size: every ``FeedForward`` and MoE experts
+    module is fused (the experts and nGPT's by class) or pending (the probe
+    runs at the first forward, as the tiny models show), nothing skipped or
+    unreported. Qwen3.5's builders need flash-linear-attention (Triton) for
+    their GatedDeltaNet layers and cannot be built here: they must raise
+    exactly that."""
+    from olmo_core.nn.feed_forward import FeedForward
+    from olmo_core.nn.moe.mlp import MoEMLPBase
+
+    names = _olmo_core_builders(olmo_core)
+    assert len(names) >= 50 and "olmoe_1B_7B" in names and "ngpt_1B" in names, names
+    unbuildable, checked = [], 0
+    for name in names:
+        config = getattr(olmo_core.TransformerConfig, name)(vocab_size=128)
+        try:
+            with torch.device("meta"):
+                model = config.build(init_device="meta")
+        except AssertionError:  # olmo_core.nn.attention.recurrent: assert has_fla()
+            unbuildable.append(name)
+            continue
+        report = sc.patch(model)
+        paths = [p for p, m in model.named_modules() if isinstance(m, (FeedForward, MoEMLPBase))]
+        assert paths, name
+        assert sorted([*report.fused, *report.pending]) == sorted(paths), (name, str(report))
+        assert not report.skipped and not report.partial and not report.unreached, (name, str(report))
+        checked += 1
+    assert unbuildable == [n for n in names if n.startswith("qwen3_5_")] and checked == len(names) - len(unbuildable)
 
 
 @pytest.fixture
@@ -559,16 +681,16 @@ def olmo_moe_routing_on_cpu(olmo_core, monkeypatch):
 @pytest.fixture
 def experts_calls(monkeypatch):
     """The rows of every call of the MoE op by OLMo-core's fused experts."""
-    from swiglu_cupy.integrations import olmo_core_experts
+    from swiglu_cupy.integrations import olmo_core as olmo_core_integration
 
     calls = []
-    real = olmo_core_experts.grouped_experts_unpacked
+    real = olmo_core_integration.grouped_experts_unpacked
 
     def counting(x_sorted, *args, **kwargs):
         calls.append(x_sorted.shape[0])
         return real(x_sorted, *args, **kwargs)
 
-    monkeypatch.setattr(olmo_core_experts, "grouped_experts_unpacked", counting)
+    monkeypatch.setattr(olmo_core_integration, "grouped_experts_unpacked", counting)
     return calls
 
 
@@ -579,9 +701,6 @@ OLMO_MOE = {
     "capacity": (dict(capacity_factor=1.0), "MoEMLP", 4 * 16),
     "dropless": (dict(dropless=True), "DroplessMoEMLP", 48),
 }
-
-
-NO_GROUPED_GEMM = pytest.mark.filterwarnings("ignore:Grouped GEMM not available")  # DroplessMoEMLP's, at build
 
 
 @NO_GROUPED_GEMM

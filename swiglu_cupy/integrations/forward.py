@@ -16,7 +16,7 @@ from ..dense.module import _registered
 from ..reference import glu_reference
 from .recognition import GLUPlan
 
-__all__ = ["run_plan", "fusion_of", "linear_obstacle", "zero3_gathers"]
+__all__ = ["run_plan", "fusion_of", "linear_obstacle", "plain_linear", "is_dtensor", "zero3_gathers"]
 
 
 def _zero3():
@@ -57,6 +57,16 @@ def linear_obstacle(m: nn.Module, known_noop_forward=None, zero3_gathered: bool 
     if "forward" in m.__dict__ and (known_noop_forward is None or m.__dict__["forward"] is not known_noop_forward):
         return f"{type(m).__name__} has its forward replaced on the instance"
     return None
+
+
+def is_dtensor(t) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "placements")
+
+
+def plain_linear(m: nn.Module, known_noop_forward=None) -> bool:
+    """Calling ``m`` is exactly ``F.linear`` on plain (not DTensor) weights
+    (:func:`linear_obstacle`, checked where a class-switched forward runs)."""
+    return linear_obstacle(m, known_noop_forward) is None and not is_dtensor(m.weight)
 
 
 

@@ -42,7 +42,7 @@ from ..dense.module import SwiGLU
 from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
 from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, switched_base, unmaterialised,
                     zero3_partitioned)
-from .olmo_core_experts import is_olmo_core_experts, olmo_core_skip_reason, patch_olmo_core_experts
+from .olmo_core import is_olmo_core_switchable, olmo_core_skip_reason, patch_olmo_core_module
 from .probe import choose_plan
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_skip_reason
@@ -207,9 +207,8 @@ _CLASS_SWITCHES = (
     _ClassSwitch("torchtitan", "torchtitan", is_torchtitan_switchable,
                  lambda m, options: patch_torchtitan_class(m, options["recompute_gate_up"], options["tile_rows"]),
                  torchtitan_skip_reason),
-    _ClassSwitch("olmo_core", "OLMo-core", is_olmo_core_experts,
-                 lambda m, options: patch_olmo_core_experts(m, options["recompute_gate_up"], options["tile_rows"]),
-                 olmo_core_skip_reason),
+    _ClassSwitch("olmo_core", "OLMo-core", is_olmo_core_switchable,
+                 lambda m, options: patch_olmo_core_module(m, **options), olmo_core_skip_reason),
 )
 
 
@@ -230,7 +229,7 @@ def _family_of_class(module: nn.Module) -> str | None:
 #: reason, so that nothing it meets and does not fuse goes unreported. Looked
 #: up only where the library is already imported.
 #: (OLMo-core's ``MoEMLP`` and ``DroplessMoEMLP`` themselves are fused by
-#: ``olmo_core_experts`` before this lookup; what else derives from their base
+#: ``integrations.olmo_core`` before this lookup; what else derives from their base
 #: is named here.)
 KNOWN_UNFUSED = {
     ("olmo_core.nn.moe.mlp", "MoEMLPBase"): (
@@ -390,7 +389,8 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     three-projection modules under any names (torchtitan's ``w1``/``w3``/
     ``w2``), torchtitan's MoE ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
     fused ``w13``; decided from the class, also on meta), OLMo-core's stacked
-    MoE experts (``MoEMLP``, ``DroplessMoEMLP``; from the class) and Hugging
+    MoE experts (``MoEMLP``, ``DroplessMoEMLP``) and nGPT's ``NormalizedFeedForward``
+    (from the class) and Hugging
     Face MoE experts. On the meta device, where nothing can be computed, modules are
     switched undecided (``report.pending``) and the probe decides at their
     first forward on real weights. A module is patched only if its own

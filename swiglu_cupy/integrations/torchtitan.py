@@ -60,7 +60,7 @@ from .._validation import check_tile_rows
 from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts, grouped_experts_unpacked
-from .forward import linear_obstacle
+from .forward import is_dtensor, plain_linear
 from .fused import switched_base, switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
@@ -78,18 +78,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor parameter's local shard (torchtitan's experts do the same under EP)."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
-
-
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "to_local") and hasattr(t, "placements")
-
-
-def _plain_linear(m: nn.Module, noop_forward=None) -> bool:
-    """An nn.Linear (torchtitan's ``Linear`` included) whose call is exactly
-    ``nn.Linear.forward`` on plain (not DTensor) weights. ``noop_forward``: a
-    forward wrapper torchtitan's parallelize installed that does nothing
-    (:func:`_redistribution_is_noop`)."""
-    return linear_obstacle(m, noop_forward) is None and not _is_dtensor(m.weight)
 
 
 def _redistribution_is_noop(module: nn.Module, parallel_dims) -> bool:
@@ -137,7 +125,8 @@ def _feed_forward_forward(self, x: torch.Tensor) -> torch.Tensor:
     activation only (LoRA, float8 or hooked projections run as themselves)."""
     w1, w2, w3 = self.w1, self.w2, self.w3
     noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
-    if all(_plain_linear(m, noop.get(n)) for n, m in (("w1", w1), ("w2", w2), ("w3", w3))):
+    # noop: the forward wrappers torchtitan's parallelize installed that do nothing (_redistribution_is_noop)
+    if all(plain_linear(m, noop.get(n)) for n, m in (("w1", w1), ("w2", w2), ("w3", w3))):
         return swiglu_unpacked(x, w1.weight, w1.bias, w3.weight, w3.bias, w2.weight, w2.bias,
                                recompute_gate_up=getattr(self, "_swiglu_cupy_recompute_gate_up", False),
                                tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
@@ -153,7 +142,7 @@ def _fused_swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     F, _, D = w13.shape
     recompute = getattr(self, "_swiglu_cupy_recompute_gate_up", False)
     noop = self.__dict__.get("_swiglu_cupy_noop_forwards", {})
-    if not _is_dtensor(w13) and _plain_linear(w2, noop.get("w2")):
+    if not is_dtensor(w13) and plain_linear(w2, noop.get("w2")):
         return swiglu(x, w13.reshape(2 * F, D), None, w2.weight, w2.bias, activation=_SILU_INTERLEAVED,
                       recompute_gate_up=recompute, tile_rows=getattr(self, "_swiglu_cupy_tile_rows", None))
     gate, up = nn.functional.linear(x, w13.flatten(0, 1)).unflatten(-1, (F, 2)).unbind(-1)

@@ -1,4 +1,6 @@
-"""OLMo-core's stacked MoE experts on ``swiglu_cupy.moe.grouped_experts_unpacked``.
+"""OLMo-core's modules that ``patch()`` knows by their class: the stacked MoE
+experts on ``swiglu_cupy.moe.grouped_experts_unpacked``, and nGPT's
+``NormalizedFeedForward`` on ``swiglu_cupy.swiglu_unpacked``.
 
 OLMo-core (checked against ai2-olmo-core 3.0.0) keeps all experts of an MoE
 layer in three 2-D parameters of ``olmo_core.nn.moe.mlp``'s ``MoEMLP`` or
@@ -37,11 +39,26 @@ mesh on the CPU). Patch before ``fully_shard``: FSDP2 gives the module a
 class of its own (``FSDP<class>``), which ``patch`` leaves alone, with that
 reason.
 
+nGPT's ``NormalizedFeedForward`` (``olmo_core.nn.feed_forward``, the
+``ngpt_like`` builders) computes ``w2(silu(sw1 * w1(x)) * (sw3 * w3(x)))``
+with learned per-channel scales ``sw1``/``sw3`` (times OLMo-core's constant
+factors). A scale of a GEMM's output rows is a scale of the weight's rows,
+``sw1 * (x W1^T) = x (sw1 W1)^T``, so the fused forward runs
+``swiglu_unpacked`` on ``sw1[:, None] * w1.weight`` and
+``sw3[:, None] * w3.weight``: two ``[H, D]`` products per call, built and
+differentiated by autograd (``sw1``, ``sw3``, ``w1`` and ``w3`` get their
+gradients through them) and held for the backward, which is what the fusion
+costs here: 2·H·D elements per layer, against OLMo-core's five ``[T, H]``
+intermediates (ours: x12, 2·T·H). The three linears are checked at every
+call: hooks or DTensor weights put on them after patching (FSDP2 on a
+child, ZeRO-3, a LoRA) make the call run OLMo-core's own forward.
+
 Switched by class (no probe: the forwards above are OLMo-core's own,
 reproduced), also on the meta device; the module keeps its class as a base
 and its parameters (state_dict keys unchanged). Anything else deriving from
-``MoEMLPBase``, a replaced forward or ``gmm``, or a ``_gmm`` that is not
-grouped_gemm's is left alone with its reason.
+``MoEMLPBase``, a subclass of these classes with its own forward, a replaced
+forward or ``gmm``, or a ``_gmm`` that is not grouped_gemm's is left alone
+with its reason.
 """
 from __future__ import annotations
 
@@ -50,20 +67,17 @@ import sys
 import torch
 from torch import nn
 
-from .._validation import check_tile_rows
+from .._validation import check_flags, check_saved_x12, check_tile_rows
+from ..dense.api import swiglu_unpacked
 from ..moe.grouped import grouped_experts_unpacked
+from .forward import is_dtensor, linear_obstacle, plain_linear
 from .fused import switched_base, switched_class
 
-__all__ = ["is_olmo_core_experts", "patch_olmo_core_experts", "olmo_core_skip_reason", "fused_olmo_core_class"]
+__all__ = ["is_olmo_core_switchable", "patch_olmo_core_module", "olmo_core_skip_reason", "fused_olmo_core_class"]
 
 _MLP = "olmo_core.nn.moe.mlp"
+_FEED_FORWARD = "olmo_core.nn.feed_forward"
 _DIST_UTILS = "olmo_core.distributed.utils"
-
-
-def _classes() -> tuple[type, ...]:
-    """OLMo-core's ``MoEMLP`` and ``DroplessMoEMLP``, if OLMo-core's MoE module is loaded."""
-    mlp = sys.modules.get(_MLP)
-    return () if mlp is None else (mlp.MoEMLP, mlp.DroplessMoEMLP)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -71,9 +85,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return sys.modules[_DIST_UTILS].get_local_tensor(t)
 
 
-def _modes(self) -> dict:
-    return {"recompute_gate_up": getattr(self, "_swiglu_cupy_recompute_gate_up", False),
-            "tile_rows": getattr(self, "_swiglu_cupy_tile_rows", None)}
+def _options(self) -> dict:
+    return getattr(self, "_swiglu_cupy_options", {})
 
 
 # ---- the fused forwards ----------------------------------------------------------------------
@@ -89,7 +102,7 @@ def _moe_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     experts, capacity, _ = x.shape
     offsets = torch.arange(1, experts + 1, device=x.device, dtype=torch.int32) * capacity
     y = grouped_experts_unpacked(x.reshape(experts * capacity, D), offsets, w1, w3, w2, transposed=True,
-                                 **_modes(self))
+                                 **_options(self))
     return y.view(experts, capacity, D).to(dtype=out_dtype)
 
 
@@ -102,37 +115,59 @@ def _dropless_forward(self, x: torch.Tensor, batch_size_per_expert: torch.Tensor
     if self._gmm is not None:  # grouped_gemm's contract: bf16 operands and output
         x, w1, w2, w3 = (t.to(torch.bfloat16) for t in (x, w1, w2, w3))
     offsets = torch.cumsum(batch_size_per_expert.to(x.device), 0, dtype=torch.int32)
-    return grouped_experts_unpacked(x, offsets, w1, w3, w2.transpose(1, 2), **_modes(self))
+    return grouped_experts_unpacked(x, offsets, w1, w3, w2.transpose(1, 2), **_options(self))
+
+
+def _normalized_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``NormalizedFeedForward.forward``, its scales folded into the gate/up weights' rows."""
+    if not all(plain_linear(m) for m in (self.w1, self.w3, self.w2)):
+        return switched_base(self).forward(self, x)  # hooked or sharded after patching: OLMo-core's own
+    sw1 = self.sw1 * ((self.sw_init_value / self.sw_init_scaling) * self.sqrt_d_model)  # as OLMo-core's
+    sw3 = self.sw3 * (self.sw_init_value / self.sw_init_scaling)
+    return swiglu_unpacked(x, sw1.unsqueeze(1) * self.w1.weight, None, sw3.unsqueeze(1) * self.w3.weight, None,
+                           self.w2.weight, None, **_options(self))
 
 
 # ---- the switched classes --------------------------------------------------------------------
 
+def _forwards() -> dict:
+    """OLMo-core's switchable classes (of its modules already loaded) -> their fused forward."""
+    forwards = {}
+    mlp, feed_forward = sys.modules.get(_MLP), sys.modules.get(_FEED_FORWARD)
+    if mlp is not None:
+        forwards.update({mlp.MoEMLP: _moe_mlp_forward, mlp.DroplessMoEMLP: _dropless_forward})
+    if feed_forward is not None:
+        forwards[feed_forward.NormalizedFeedForward] = _normalized_forward
+    return forwards
+
+
 def fused_olmo_core_class(base: type) -> type:
-    """The swiglu_cupy subclass of OLMo-core's ``MoEMLP`` or ``DroplessMoEMLP`` (exactly those)."""
-    classes = _classes()
-    if base not in classes:
-        raise TypeError(f"{base.__module__}.{base.__qualname__} is not OLMo-core's MoEMLP or DroplessMoEMLP")
-    forward = _moe_mlp_forward if base is classes[0] else _dropless_forward
+    """The swiglu_cupy subclass of OLMo-core's ``MoEMLP``, ``DroplessMoEMLP`` or
+    ``NormalizedFeedForward`` (exactly those)."""
+    forward = _forwards().get(base)
+    if forward is None:
+        raise TypeError(f"{base.__module__}.{base.__qualname__} is not OLMo-core's MoEMLP, DroplessMoEMLP or "
+                        "NormalizedFeedForward")
     name = f"SwiGLUCupy{base.__name__}"
     return switched_class("olmo_core", base, lambda base: (
         name, (base,), {"__module__": __name__, "__qualname__": name, "forward": forward}))
 
 
-def is_olmo_core_experts(module: nn.Module) -> bool:
-    """An OLMo-core ``MoEMLP`` or ``DroplessMoEMLP`` (or a subclass, switched
-    or not): the walk hands it to :func:`patch_olmo_core_experts`."""
-    classes = _classes()
+def is_olmo_core_switchable(module: nn.Module) -> bool:
+    """An OLMo-core ``MoEMLP``, ``DroplessMoEMLP`` or ``NormalizedFeedForward``
+    (or a subclass, switched or not): the walk hands it to
+    :func:`patch_olmo_core_module`."""
+    classes = tuple(_forwards())
     return bool(classes) and isinstance(module, classes)
 
 
 def olmo_core_skip_reason(module: nn.Module) -> str | None:
-    """Why an OLMo-core ``MoEMLP``/``DroplessMoEMLP`` cannot be switched, or
-    None if it can be (or ``module`` is neither)."""
-    if not is_olmo_core_experts(module):
+    """Why an OLMo-core module of those classes cannot be switched, or None
+    if it can be (or ``module`` is none of them)."""
+    if not is_olmo_core_switchable(module):
         return None
-    classes = _classes()
     base, cls = switched_base(module), type(module)
-    if base not in classes:
+    if base not in _forwards():
         fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
         if fsdp is not None and isinstance(module, fsdp):
             return ("wrapped by FSDP2 (fully_shard) before patch(): its class is FSDP's own; "
@@ -141,7 +176,9 @@ def olmo_core_skip_reason(module: nn.Module) -> str | None:
                "does not reproduce"
     if "forward" in module.__dict__:
         return "its forward is replaced on the instance, which would bypass the fusion"
-    if base is classes[1]:
+    if base.__name__ == "NormalizedFeedForward":
+        return _normalized_skip_reason(module)
+    if base.__name__ == "DroplessMoEMLP":
         if "gmm" in module.__dict__:
             return "its gmm is replaced on the instance (another grouped GEMM): left as is"
         if module._gmm is not None and module._gmm is not getattr(sys.modules[_MLP], "gmm", None):
@@ -156,26 +193,50 @@ def olmo_core_skip_reason(module: nn.Module) -> str | None:
     return None
 
 
-def patch_olmo_core_experts(module: nn.Module, recompute_gate_up: bool = False, tile_rows=None) -> str | None:
-    """Switch an OLMo-core ``MoEMLP``/``DroplessMoEMLP`` in place so its
-    forward runs :func:`swiglu_cupy.moe.grouped_experts_unpacked`, and return the
-    line the patch report shows; None if it cannot be
+def _normalized_skip_reason(module: nn.Module) -> str | None:
+    if set(module._parameters) != {"sw1", "sw3"} or set(module._modules) != {"w1", "w2", "w3"}:
+        return f"unexpected parameters {sorted(module._parameters)} or children {sorted(module._modules)}"
+    for name in ("w1", "w2", "w3"):
+        linear = module._modules[name]
+        obstacle = linear_obstacle(linear)
+        if obstacle is not None:
+            return f"{name}: {obstacle}"
+        if is_dtensor(linear.weight):
+            return f"{name}'s weight is a DTensor (tensor parallel?): left as is"
+        if linear.bias is not None:
+            return f"{name} has a bias, which NormalizedFeedForward's own never has"
+    return None
+
+
+def patch_olmo_core_module(module: nn.Module, recompute_gate_up: bool = False, inplace_backward: bool = False,
+                           saved_x12=None, tile_rows=None) -> str | None:
+    """Switch an OLMo-core ``MoEMLP``/``DroplessMoEMLP`` (its forward runs
+    :func:`swiglu_cupy.moe.grouped_experts_unpacked`: ``recompute_gate_up``
+    and ``tile_rows`` apply) or ``NormalizedFeedForward``
+    (:func:`swiglu_cupy.swiglu_unpacked`: every memory mode applies) in place,
+    and return the line the patch report shows; None if it cannot be
     (:func:`olmo_core_skip_reason` says why)."""
-    if not isinstance(recompute_gate_up, bool):
-        raise TypeError(f"recompute_gate_up must be a bool, got {type(recompute_gate_up).__name__}")
+    check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward)
+    check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
     check_tile_rows(tile_rows)
-    if not is_olmo_core_experts(module) or olmo_core_skip_reason(module) is not None:
+    if not is_olmo_core_switchable(module) or olmo_core_skip_reason(module) is not None:
         return None
     base = switched_base(module)
     fused = fused_olmo_core_class(base)
     already = isinstance(module, fused)
     if not already:  # a subclass of the fused class (FSDP2's, after fully_shard) keeps its class
         module.__class__ = fused
-    module._swiglu_cupy_recompute_gate_up = recompute_gate_up
-    module._swiglu_cupy_tile_rows = tile_rows
-    tail = ((", recompute_gate_up" if recompute_gate_up else "") + ("" if tile_rows is None else f", tile_rows={tile_rows}")
-            + (" (already fused)" if already else ""))
-    if base is _classes()[0]:
+    dense = base.__name__ == "NormalizedFeedForward"
+    options = {"recompute_gate_up": recompute_gate_up, "tile_rows": tile_rows}
+    if dense:
+        options.update(inplace_backward=inplace_backward, saved_x12=saved_x12)
+    module._swiglu_cupy_options = options
+    tail = "".join(f", {k}" if v is True else f", {k}={v}" for k, v in options.items() if v not in (None, False))
+    tail += " (already fused)" if already else ""
+    if dense:
+        return ("swiglu_cupy.swiglu_unpacked, silu: w1/w3 -> w2, the scales sw1/sw3 folded into per-call "
+                "scaled copies of the w1/w3 rows (2*H*D elements, held for backward)" + tail)
+    if base.__name__ == "MoEMLP":
         layout = ("capacity-padded rows [E*C, D] (a view); w1/w3 [E, D, H] as the gate and up weights, "
                   "w2 [E, H, D] as the down weight (views, not concatenated)")
     else:
