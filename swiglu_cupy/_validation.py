@@ -226,15 +226,7 @@ def check_expert_weights(x_name: str, x: torch.Tensor, w12, w3, b12, b3, transpo
     check_inputs({x_name: x, "w12": w12, "w3": w3, "b12": b12, "b3": b3}, _MOE_ROLES, optional=("b12", "b3"))
     check_flags(transposed=transposed)
     D = x.shape[-1] if x.dim() else None
-    layout = "[E, D, 2I]" if transposed else "[E, 2I, D]"
-    if w12.dim() != 3:
-        raise ValueError(f"w12 must be 3-D {layout}, got shape {tuple(w12.shape)}")
-    E = w12.shape[0]
-    two_i, d12 = (w12.shape[2], w12.shape[1]) if transposed else (w12.shape[1], w12.shape[2])
-    if E < 1 or two_i < 2 or two_i % 2 or d12 != D:
-        raise ValueError(f"w12 must be {layout} with E >= 1, an even 2I >= 2 and D = {x_name}.shape[-1] = {D}, "
-                         f"got shape {tuple(w12.shape)}")
-    I = two_i // 2
+    E, I = _gate_up_stack_shape("w12", w12, x_name, D, transposed, packed=True)
     _check_expert_down_and_biases(w3, transposed, E, I, D, (("b12", b12, (E, 2 * I)), ("b3", b3, (E, D))))
     return E, I
 
@@ -246,19 +238,28 @@ def check_unpacked_expert_weights(x_name: str, x: torch.Tensor, w1, w2, w3, b1, 
                  optional=("b1", "b2", "b3"))
     check_flags(transposed=transposed)
     D = x.shape[-1] if x.dim() else None
-    layout = "[E, D, I]" if transposed else "[E, I, D]"
-    if w1.dim() != 3:
-        raise ValueError(f"w1 must be 3-D {layout}, got shape {tuple(w1.shape)}")
-    E = w1.shape[0]
-    I, d1 = (w1.shape[2], w1.shape[1]) if transposed else (w1.shape[1], w1.shape[2])
-    if E < 1 or I < 1 or d1 != D:
-        raise ValueError(f"w1 must be {layout} with E >= 1, I >= 1 and D = {x_name}.shape[-1] = {D}, "
-                         f"got shape {tuple(w1.shape)}")
+    E, I = _gate_up_stack_shape("w1", w1, x_name, D, transposed, packed=False)
     if w2.shape != w1.shape:
-        raise ValueError(f"w2 must have the shape of w1 {layout} = {tuple(w1.shape)}, got {tuple(w2.shape)}")
+        raise ValueError(f"w2 must have the shape of w1 = {tuple(w1.shape)}, got {tuple(w2.shape)}")
     _check_expert_down_and_biases(w3, transposed, E, I, D,
                                   (("b1", b1, (E, I)), ("b2", b2, (E, I)), ("b3", b3, (E, D))))
     return E, I
+
+
+def _gate_up_stack_shape(name: str, w, x_name: str, D, transposed: bool, packed: bool) -> tuple[int, int]:
+    """(E, I) of a 3-D gate/up stack: packed ``[E, 2I, D]``, or one of the separate
+    gate and up ``[E, I, D]`` (``transposed``: D first)."""
+    width = "2I" if packed else "I"
+    layout = f"[E, D, {width}]" if transposed else f"[E, {width}, D]"
+    if w.dim() != 3:
+        raise ValueError(f"{name} must be 3-D {layout}, got shape {tuple(w.shape)}")
+    E = w.shape[0]
+    n, d = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
+    if E < 1 or n < (2 if packed else 1) or (packed and n % 2) or d != D:
+        rule = "an even 2I >= 2" if packed else "I >= 1"
+        raise ValueError(f"{name} must be {layout} with E >= 1, {rule} and D = {x_name}.shape[-1] = {D}, "
+                         f"got shape {tuple(w.shape)}")
+    return E, n // 2 if packed else n
 
 
 def _check_expert_down_and_biases(w3, transposed: bool, E: int, I: int, D: int, biases) -> None:
