@@ -41,6 +41,7 @@ from ..dense.module import SwiGLU
 from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
 from .fused import FusedGLUMLP, install, install_pending, resolve_pending, unmaterialised, zero3_partitioned
 from .probe import choose_plan
+from .megatron import is_megatron_mlp, megatron_base, megatron_skip_reason, patch_megatron_mlp
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_base, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
@@ -178,10 +179,11 @@ def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x1
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
 #: under any other names, xformers' SwiGLU, Hugging Face MoE experts,
-#: torchtitan's MoE ``GroupedExperts``. The
+#: torchtitan's MoE ``GroupedExperts``, megatron-core's ``MLP`` (dense and
+#: SequentialMLP's experts). The
 #: narrow entries (``hf.patch_model``, ``xformers.patch_xformers``) are
 #: :func:`walk` over some of them: the same candidates, probe and result.
-FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan"})
+FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan", "megatron"})
 _FAMILY_WORDS = {"hf": "under Hugging Face's names", "generic": "under other names"}
 _FAMILY_ENTRY = {"hf": "swiglu_cupy.patch or hf.patch_model", "generic": "swiglu_cupy.patch"}
 
@@ -192,6 +194,8 @@ def _family_of_class(module: nn.Module) -> str | None:
         return "xformers"
     if is_torchtitan_switchable(module):
         return "torchtitan"
+    if is_megatron_mlp(module):
+        return "megatron"
     return None
 
 
@@ -203,6 +207,12 @@ KNOWN_UNFUSED = {
     ("olmo_core.nn.moe.mlp", "MoEMLPBase"): (
         "OLMo-core's stacked experts (w1/w2/w3 as 2-D parameters over all experts, run by torch.bmm in "
         "MoEMLP or a grouped GEMM in DroplessMoEMLP): not a layout swiglu_cupy fuses yet; left as is"),
+    ("megatron.core.transformer.moe.experts", "GroupedMLP"): (
+        "megatron-core's GroupedMLP (weight1/weight2 stacked over the local experts, run by the grouped_gemm "
+        "CUDA package, which it requires to be built: it cannot run on the CPU, so its parity is unchecked): "
+        "not fused; left as is (SequentialMLP's experts are megatron MLPs, fused)"),
+    ("megatron.core.extensions.transformer_engine", "TEGroupedMLP"): (
+        "megatron-core's TEGroupedMLP: Transformer Engine's grouped linears; left as is"),
 }
 
 
@@ -276,6 +286,18 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
                 else:  # patch_torchtitan_class refuses exactly when there is a reason
                     report.skipped[path] = torchtitan_skip_reason(module)
             continue
+        if is_megatron_mlp(module):
+            handled[path] = f"megatron-core {megatron_base(module).__name__}"
+            if "megatron" in families:
+                report.classes[path] = megatron_base(module).__name__
+                note = patch_megatron_mlp(module, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
+                if note is not None:
+                    report.fused[path] = note
+                    if note.endswith("(already fused)"):
+                        report.already.append(path)
+                else:  # patch_megatron_mlp refuses exactly when there is a reason
+                    report.skipped[path] = megatron_skip_reason(module)
+            continue
         found = glu_candidates(module)
         if found is None:
             reason = known_unfused_reason(module)
@@ -326,8 +348,9 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     timm's ``GluMlp`` (either gate order), ``SwiGLU`` and ``SwiGLUPacked``,
     three-projection modules under any names (torchtitan's ``w1``/``w3``/
     ``w2``), torchtitan's MoE ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
-    fused ``w13``; decided from the class, also on meta) and Hugging Face MoE
-    experts. On the meta device, where nothing can be computed, modules are
+    fused ``w13``; decided from the class, also on meta), megatron-core's
+    ``MLP`` with the local linears (dense, and SequentialMLP's experts; decided
+    from the class and config, TP included) and Hugging Face MoE experts. On the meta device, where nothing can be computed, modules are
     switched undecided (``report.pending``) and the probe decides at their
     first forward on real weights. A module is patched only if its own
     forward agrees with the fused one on a probe input (``verify=False``
