@@ -40,6 +40,7 @@ from torch import nn
 
 try:
     import megatron.core.parallel_state  # noqa: F401
+    from megatron.core.activations import quick_gelu
     from megatron.core.transformer.mlp import MLP
     from megatron.core.transformer.moe.experts import GroupedMLP
 except ImportError as e:  # pragma: no cover - depends on the environment
@@ -63,9 +64,16 @@ DENSE = {
     "silu_nobias": dict(activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False),
     "gelu_nobias": dict(activation_func=F.gelu, add_bias_linear=False, bias_activation_fusion=False),
     "gelu_bias_fusion": dict(activation_func=F.gelu, add_bias_linear=True, bias_activation_fusion=True),
+    "relu": dict(activation_func=F.relu),
+    # megatron's glu clamps (gate max, up both sides) and offsets up; the clamp is hit at this init
+    "silu_clamp": dict(activation_func=F.silu, activation_func_clamp_value=1.5),
+    "quick_gelu_clamp_offset": dict(activation_func=quick_gelu, activation_func_clamp_value=1.5,
+                                    glu_linear_offset=1.0),
 }
 DENSE_ACTIVATION = {"silu_bias": "silu", "silu_bias_fusion": "silu", "silu_nobias": "silu",
-                    "gelu_nobias": "gelu", "gelu_bias_fusion": "gelu_tanh"}
+                    "gelu_nobias": "gelu", "gelu_bias_fusion": "gelu_tanh", "relu": "relu",
+                    "silu_clamp": "silu, limit=1.5",
+                    "quick_gelu_clamp_offset": "oai, alpha=1.702, up_offset=1, limit=1.5"}
 # name -> (overrides, the (TP, EP) sizes it runs at). Megatron takes biased
 # experts only at expert-TP 1 (transformer_config.py:1590), and at EP 1 too its
 # own MLP raises (mlp.py:247 adds the scaled bias in place to the output of
