@@ -295,3 +295,19 @@ def test_compat_seam_exists():
     assert megatron_linear_impl(ColumnParallelLinear) is not None
     assert megatron_linear_impl(RowParallelLinear) is not None
 
+
+
+def test_patch_does_not_import_megatron():
+    """A model without megatron: the walk's megatron checks import nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, torch, swiglu_cupy as sc\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+            "sc.patch(m)\n"
+            "assert not [n for n in sys.modules if n.startswith('megatron')], 'megatron imported'\n")
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=120,
+                   env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"})
