@@ -197,6 +197,14 @@ def _dense_cases(tp, calls, out):
                                       skipped=dict(report.skipped), mine=mine, theirs=theirs,
                                       activation=str(mlp._swiglu_cupy_activation),
                                       repatch=str(sc.patch(mlp).fused.get("", "")))
+    # a hook put on fc1 after patching (megatron DDP's param-gather pre-hooks): megatron's forward runs
+    mlp, ref = _twins(_dense, _config(tp, **DENSE["silu_bias"]))
+    sc.patch(mlp)
+    fired = []
+    mlp.linear_fc1.register_forward_pre_hook(lambda m, args: fired.append(1))
+    calls.clear()
+    errors, _, _ = _parity(mlp, ref, (), x)
+    out["hooked", tp] = dict(errors=errors, calls=list(calls), fired=len(fired))
     refused = {**REFUSED, **(REFUSED_TP2 if tp == 2 else {})}
     for name, (overrides, _) in refused.items():
         mlp = _dense(_config(tp, **overrides))
@@ -263,6 +271,14 @@ def test_sequential_mlp_experts_are_fused_with_parity(results, name, tp, ep):
         assert entry["calls"] == [6, 4], f"rank {rank}: the fused op ran {entry['calls']}"
         assert entry["mine"] == entry["theirs"] == (True, False)  # biases added scaled, inside
         _assert_parity(entry, f"rank {rank}, experts {name}, TP {tp}, EP {ep}")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_hook_added_on_a_linear_after_patching_runs_megatrons_forward(results, tp):
+    for res in results:
+        entry = res["hooked", tp]
+        assert entry["calls"] == [] and entry["fired"] == 1, entry
+        assert max(entry["errors"].values()) == 0.0  # the very same forward
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -180,6 +180,11 @@ def megatron_skip_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks
+                or "forward" in m.__dict__)
+
+
 def _mappings():
     return sys.modules[_MAPPINGS]
 
@@ -188,8 +193,10 @@ def _mlp_forward(self, hidden_states, per_token_scale=None, **kwargs):
     """megatron's ``MLP.forward`` contract, the whole MLP in the fused op on this rank's shards."""
     config = self.config
     fc1, fc2 = self.linear_fc1, self.linear_fc2
-    if config.bias_activation_fusion and per_token_scale is not None and (
-            self.activation_func is not F.silu or fc1.bias is not None):
+    if _hooked(fc1) or _hooked(fc2) or (config.bias_activation_fusion and per_token_scale is not None and (
+            self.activation_func is not F.silu or fc1.bias is not None)):
+        # Hooks put on fc1/fc2 after patching (megatron DDP's overlap_param_gather waits for each
+        # module's parameter all-gather in a forward pre-hook) must see their calls: megatron's forward.
         # megatron's weighted fused kernels: only silu without fc1 bias (weighted_bias_swiglu_impl);
         # the others raise there (gelu's ValueError, the bias's NotImplementedError): as megatron does
         return type(self)._swiglu_base.forward(self, hidden_states, per_token_scale=per_token_scale, **kwargs)
