@@ -10,6 +10,10 @@ Nothing here is imported by the core op. The DCP classes are imported when a
 state dict is first saved or loaded, the FSDP2 ones only for a module that
 ``fully_shard`` manages (FSDP2 is loaded by then).
 
+The megatron-core entry (:func:`megatron_linear_impl`, checked with
+megatron-core 0.16.1 by ``tests/test_megatron.py``) is read only where
+megatron is already in ``sys.modules``, and imports nothing.
+
 The DeepSpeed entries (at the end; checked with deepspeed 0.19.8 by
 ``tests/test_deepspeed.py``) never import deepspeed: the integrations call
 them only when ``"deepspeed" in sys.modules``, so users without it pay nothing.
@@ -30,7 +34,8 @@ from torch.distributed.tensor.placement_types import _StridedShard as StridedSha
 
 __all__ = ["StridedShard", "is_plain_shard", "is_strided_shard", "rewrap_dtensor", "TensorParallelStyle",
            "RowChunkCheckpointable", "fsdp_managed", "fsdp_shard_placement_of", "zero3_param",
-           "zero3_partitioned", "zero3_full_shape", "zero3_leaf", "mark_zero3_leaf", "zero3_hooks_only"]
+           "zero3_partitioned", "zero3_full_shape", "zero3_leaf", "mark_zero3_leaf", "zero3_hooks_only",
+           "megatron_linear_impl"]
 
 
 def is_strided_shard(placement, dim: int | None = None) -> bool:
@@ -239,3 +244,15 @@ def zero3_hooks_only(module: nn.Module) -> bool:
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
              *module._backward_pre_hooks.values(), *module._backward_hooks.values()]
     return bool(hooks) and all(_defined_in_zero3(h) for h in hooks)
+
+
+# ---- megatron-core --------------------------------------------------------------------------
+
+def megatron_linear_impl(cls: type):
+    """The GEMM seam of megatron's ``ColumnParallelLinear``/``RowParallelLinear``
+    class ``cls``: its private ``_forward_impl`` (megatron-core 0.16.1), which a
+    subclass overrides to run another GEMM. The fused MLP reproduces the
+    local linears only where it is megatron's own. If renamed: this returns
+    None for every class, so every megatron MLP still compares equal and is
+    fused; ``tests/test_megatron.py`` checks that the name exists."""
+    return getattr(cls, "_forward_impl", None)

@@ -5,8 +5,8 @@ subclass with :class:`FusedGLUMLP`'s forward in front, whose per-instance
 hold the gate, the up and the down projection.
 
 :func:`switched_class` is the one mechanism for such classes, here and for
-torchtitan's modules (``integrations.torchtitan``) and OLMo-core's experts
-(``integrations.olmo_core``): one subclass per (kind,
+torchtitan's, OLMo-core's and megatron-core's modules (``integrations.torchtitan``,
+``integrations.olmo_core``, ``integrations.megatron``): one subclass per (kind,
 base), which records its base and pickles as an instance of it."""
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ class FusedGLUMLP(nn.Module):
 #: in a fresh process imports it (no import cycle between the kinds' modules).
 SWITCH_FACTORIES = {"glu_mlp": (__name__, "fused_class"),
                     "torchtitan": ("swiglu_cupy.integrations.torchtitan", "fused_torchtitan_class"),
-                    "olmo_core": ("swiglu_cupy.integrations.olmo_core", "fused_olmo_core_class")}
+                    "olmo_core": ("swiglu_cupy.integrations.olmo_core", "fused_olmo_core_class"),
+                    "megatron": ("swiglu_cupy.integrations.megatron", "fused_megatron_class")}
 _SWITCHED: dict[tuple[str, type], type] = {}
 
 

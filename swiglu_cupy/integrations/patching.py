@@ -43,6 +43,7 @@ from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
 from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, switched_base, unmaterialised,
                     zero3_partitioned)
 from .olmo_core import is_olmo_core_switchable, olmo_core_skip_reason, patch_olmo_core_module
+from .megatron import is_megatron_mlp, megatron_skip_reason, patch_megatron_mlp
 from .probe import choose_plan
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_skip_reason
@@ -181,10 +182,11 @@ def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x1
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
 #: under any other names, xformers' SwiGLU, Hugging Face MoE experts,
-#: torchtitan's MoE ``GroupedExperts``, OLMo-core's stacked MoE experts. The
+#: torchtitan's MoE ``GroupedExperts``, OLMo-core's stacked MoE experts and nGPT
+#: feed-forward, megatron-core's ``MLP`` (dense and SequentialMLP's experts). The
 #: narrow entries (``hf.patch_model``, ``xformers.patch_xformers``) are
 #: :func:`walk` over some of them: the same candidates, probe and result.
-FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan", "olmo_core"})
+FAMILIES = frozenset({"hf", "generic", "xformers", "experts", "torchtitan", "olmo_core", "megatron"})
 _FAMILY_WORDS = {"hf": "under Hugging Face's names", "generic": "under other names"}
 _FAMILY_ENTRY = {"hf": "swiglu_cupy.patch or hf.patch_model", "generic": "swiglu_cupy.patch"}
 
@@ -209,6 +211,8 @@ _CLASS_SWITCHES = (
                  torchtitan_skip_reason),
     _ClassSwitch("olmo_core", "OLMo-core", is_olmo_core_switchable,
                  lambda m, options: patch_olmo_core_module(m, **options), olmo_core_skip_reason),
+    _ClassSwitch("megatron", "megatron-core", is_megatron_mlp, lambda m, options: patch_megatron_mlp(m, **options),
+                 megatron_skip_reason),
 )
 
 
@@ -238,6 +242,12 @@ KNOWN_UNFUSED = {
     ("olmo_core.nn.moe.v2.routed_experts", "RoutedExperts"): (
         "OLMo-core's v2 routed experts (moe_fused_v2: packed w_up_gate, its own activations and "
         "grouped GEMMs): not a class swiglu_cupy fuses yet; left as is"),
+    ("megatron.core.transformer.moe.experts", "GroupedMLP"): (
+        "megatron-core's GroupedMLP (weight1/weight2 stacked over the local experts, run by the grouped_gemm "
+        "CUDA package, which it requires to be built: it cannot run on the CPU, so its parity is unchecked): "
+        "not fused; left as is (SequentialMLP's experts are megatron MLPs, fused)"),
+    ("megatron.core.extensions.transformer_engine", "TEGroupedMLP"): (
+        "megatron-core's TEGroupedMLP: Transformer Engine's grouped linears; left as is"),
 }
 
 
@@ -390,8 +400,9 @@ def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recomp
     ``w2``), torchtitan's MoE ``GroupedExperts`` (``w1_EFD``/``w3_EFD`` or the
     fused ``w13``; decided from the class, also on meta), OLMo-core's stacked
     MoE experts (``MoEMLP``, ``DroplessMoEMLP``) and nGPT's ``NormalizedFeedForward``
-    (from the class) and Hugging
-    Face MoE experts. On the meta device, where nothing can be computed, modules are
+    (from the class), megatron-core's ``MLP`` with the local linears (dense, and
+    SequentialMLP's experts; decided from the class and config, TP included) and
+    Hugging Face MoE experts. On the meta device, where nothing can be computed, modules are
     switched undecided (``report.pending``) and the probe decides at their
     first forward on real weights. A module is patched only if its own
     forward agrees with the fused one on a probe input (``verify=False``
