@@ -48,18 +48,19 @@ def whole_mlp_calls(monkeypatch):
     return count_whole_mlp_calls(monkeypatch)
 
 
-def count_whole_mlp_calls(monkeypatch) -> list[int]:
-    """The rows of each call of the whole-MLP fused op from now on (until
+def count_whole_mlp_calls(monkeypatch, module=fused_forward, name: str = "swiglu_unpacked") -> list[int]:
+    """The rows of each call of the whole-MLP fused op (``module.<name>``: the
+    walk's fused forward, or a class-switched library's) from now on (until
     ``monkeypatch`` is undone); also used in the ranks of
     test_training_libraries_sharded.py."""
     calls = []
-    real = fused_forward.swiglu_unpacked
+    real = getattr(module, name)
 
     def counting(x, *args, **kwargs):
         calls.append(x.shape[0] if x.dim() == 2 else x.shape[:-1].numel())
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(fused_forward, "swiglu_unpacked", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
 
 
@@ -498,18 +499,10 @@ def normalized_calls(monkeypatch):
     """The rows of each call of ``swiglu_unpacked`` by OLMo-core's switched nGPT feed-forward."""
     from swiglu_cupy.integrations import olmo_core as olmo_core_integration
 
-    calls = []
-    real = olmo_core_integration.swiglu_unpacked
-
-    def counting(x, *args, **kwargs):
-        calls.append(x.shape[:-1].numel())
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(olmo_core_integration, "swiglu_unpacked", counting)
-    return calls
+    return count_whole_mlp_calls(monkeypatch, olmo_core_integration)
 
 
-def _ngpt_model(olmo_core):
+def ngpt_model(olmo_core):
     """``ngpt_like`` with its scales away from 1 (their init), so that folding them in is tested."""
     from olmo_core.nn.feed_forward import NormalizedFeedForward
 
@@ -532,7 +525,7 @@ def test_olmo_core_normalized_feed_forward_is_fused_whole_with_parity(olmo_core,
     its own methods (``normalize_matrices``) still work."""
     from olmo_core.nn.feed_forward import NormalizedFeedForward
 
-    model = _ngpt_model(olmo_core)
+    model = ngpt_model(olmo_core)
     reference = copy.deepcopy(model)
     report = sc.patch(model)
     paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
@@ -563,7 +556,7 @@ def test_olmo_core_normalized_feed_forward_with_hooked_linears(olmo_core, normal
     which the hook sees."""
     from olmo_core.nn.feed_forward import NormalizedFeedForward
 
-    model = _ngpt_model(olmo_core)
+    model = ngpt_model(olmo_core)
     paths = [p for p, m in model.named_modules() if isinstance(m, NormalizedFeedForward)]
     seen = []
     model.get_submodule(paths[0]).w3.register_forward_hook(lambda m, args, out: seen.append("before"))
@@ -630,6 +623,10 @@ def test_every_olmo_core_builder_is_fused_or_named(olmo_core):
 
 @pytest.fixture
 def olmo_moe_routing_on_cpu(olmo_core, monkeypatch):
+    use_plain_torch_moe_routing(monkeypatch)  # also in the ranks of test_training_libraries_sharded.py
+
+
+def use_plain_torch_moe_routing(monkeypatch) -> None:
     """OLMo-core's MoE routes tokens with Triton kernels (``olmo_core.ops.moe``'s
     gather/scatter and their binned, capacity-padded forms), which do not run
     on the CPU: here they are the same index maps in plain torch (differentiable
@@ -683,15 +680,7 @@ def experts_calls(monkeypatch):
     """The rows of every call of the MoE op by OLMo-core's fused experts."""
     from swiglu_cupy.integrations import olmo_core as olmo_core_integration
 
-    calls = []
-    real = olmo_core_integration.grouped_experts_unpacked
-
-    def counting(x_sorted, *args, **kwargs):
-        calls.append(x_sorted.shape[0])
-        return real(x_sorted, *args, **kwargs)
-
-    monkeypatch.setattr(olmo_core_integration, "grouped_experts_unpacked", counting)
-    return calls
+    return count_whole_mlp_calls(monkeypatch, olmo_core_integration, "grouped_experts_unpacked")
 
 
 # case -> llama_like_moe's overrides, the experts class, the rows the op runs per layer

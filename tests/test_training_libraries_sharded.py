@@ -18,7 +18,12 @@ Entry points:
               block and the LM head, and ``fine_grained``, which also shards
               each block's attention and feed-forward on their own) and
               ``Transformer.apply_tp`` (tensor parallelism 2: w1/w3
-              column-wise, w2 row-wise, sequence parallel norms).
+              column-wise, w2 row-wise, sequence parallel norms); also
+              ``apply_fsdp`` on ``llama_like_moe`` (dropless experts; the
+              Triton routing stood in by plain torch) and on ``ngpt_like``,
+              whose experts and nGPT feed-forwards patch() switches by class:
+              fused whole patched before or after FSDP2 (no probe; the
+              block's hooks unshard the weights around the switched forward).
   litgpt:     Lightning Fabric's ``ModelParallelStrategy`` (FSDP2), with
               litgpt's own ``parallelize_fn`` (litgpt/finetune/lora.py: it
               shards every trainable ``nn.Linear`` by itself, the blocks and
@@ -64,6 +69,7 @@ RANK_TIMEOUT_S = 240
 STEPS, LR = 3, 0.5  # lr large enough that each step moves the weights well past the tolerances
 BATCH, SEQ = 2, 12
 ROWS = BATCH * SEQ  # rows of each feed-forward call on a rank
+TOP_K = 2  # the MoE model's experts run ROWS * TOP_K routed rows a layer (dropless)
 N_LAYERS = 2  # every tiny model here has two blocks, one feed-forward each
 
 # fp32 tolerances. The patched and unpatched runs shard, reduce and step
@@ -83,8 +89,12 @@ N_LAYERS = 2  # every tiny model here has two blocks, one feed-forward each
 RTOL_FP32, ATOL_FP32 = 1e-5, 1e-6
 
 # name -> (library, entry point, when patch() runs): each entry point patched before and after it
+# (OLMo-core's "apply_fsdp_moe"/"apply_fsdp_ngpt": apply_fsdp on the modules patch() switches by
+# class, its dropless MoE experts and nGPT's feed-forward)
 ENTRY_POINTS = [("torchtune", "shard_model"), ("olmo_core", "apply_fsdp"), ("olmo_core", "apply_fsdp_fine_grained"),
-                ("olmo_core", "apply_tp"), ("litgpt", "fabric_fsdp2_blocks"), ("litgpt", "fabric_fsdp2_litgpt_fn")]
+                ("olmo_core", "apply_tp"), ("olmo_core", "apply_fsdp_moe"), ("olmo_core", "apply_fsdp_ngpt"),
+                ("litgpt", "fabric_fsdp2_blocks"), ("litgpt", "fabric_fsdp2_litgpt_fn")]
+CLASS_SWITCHED = ("apply_fsdp_moe", "apply_fsdp_ngpt")
 CASES = {f"{library}-{entry}-{when}": (library, entry, when)
          for library, entry in ENTRY_POINTS for when in ("before", "after")}
 
@@ -140,12 +150,22 @@ class _Libraries:
             self.litgpt = importlib.import_module("litgpt")
 
 
-def _build(libs: _Libraries, library: str):
+def _build(libs: _Libraries, library: str, entry: str):
     """(model, vocab, feed-forward class) of the library's stock tiny model."""
     if library == "torchtune":
         from torchtune.modules import FeedForward
 
         return ttl.torchtune_model(libs.torchtune, "llama3_2"), ttl.VOCAB, FeedForward
+    if entry == "apply_fsdp_moe":
+        from olmo_core.nn.moe.mlp import DroplessMoEMLP
+
+        model = ttl.olmo_model(libs.olmo_core, "llama_like_moe", num_experts=4, top_k=TOP_K, expert_hidden_size=48,
+                               hidden_size_multiple_of=16, dropless=True)
+        return model, 128, DroplessMoEMLP
+    if entry == "apply_fsdp_ngpt":
+        from olmo_core.nn.feed_forward import NormalizedFeedForward
+
+        return ttl.ngpt_model(libs.olmo_core), 128, NormalizedFeedForward
     if library == "olmo_core":
         from olmo_core.nn.feed_forward import FeedForward
 
@@ -194,7 +214,7 @@ def _train(libs: _Libraries, library: str, entry: str, when: str, patched: bool,
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    model, vocab, ff_class = _build(libs, library)
+    model, vocab, ff_class = _build(libs, library, entry)
     out = {"paths": [p for p, m in model.named_modules() if isinstance(m, ff_class)]}
     if patched and when == "before":
         out["report"] = _plain(sc.patch(model))
@@ -232,10 +252,13 @@ def _train(libs: _Libraries, library: str, entry: str, when: str, patched: bool,
     with pytest.MonkeyPatch.context() as monkeypatch:
         whole = ttl.count_whole_mlp_calls(monkeypatch)
         activation = _count_glu_mul(monkeypatch)
+        switched = _count_class_switched(monkeypatch)
+        if entry == "apply_fsdp_moe":
+            ttl.use_plain_torch_moe_routing(monkeypatch)  # OLMo-core's Triton routing kernels: no CPU form
         out["losses"] = _steps(trained, model.parameters(), rank, vocab, entry == "apply_tp", backward, optimizer)
     out["params"] = {name: _full(p) for name, p in model.named_parameters()}
     if patched:
-        out["whole"], out["activation"] = whole, activation
+        out["whole"], out["activation"], out["switched"] = whole, activation, switched
         out["fusion"] = {p: getattr(model.get_submodule(p), "fusion", lambda: None)() for p in out["paths"]}
         out["again"] = _plain(sc.patch(model))  # what patch() says of the trained, sharded model
     return out
@@ -259,6 +282,15 @@ def _count_glu_mul(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(forward, "glu_mul", counting)
     return calls
+
+
+def _count_class_switched(monkeypatch) -> dict:
+    """Calls of the fused ops by OLMo-core's class-switched modules (the experts'
+    ``grouped_experts_unpacked``, nGPT's ``swiglu_unpacked``): their rows, by op."""
+    from swiglu_cupy.integrations import olmo_core as olmo_core_integration
+
+    return {name: ttl.count_whole_mlp_calls(monkeypatch, olmo_core_integration, name)
+            for name in ("grouped_experts_unpacked", "swiglu_unpacked")}
 
 
 def _fsdp1_refusal() -> str | None:
@@ -327,6 +359,15 @@ def _check_fusion(rank: int, entry: str, when: str, patched: dict) -> None:
     paths, report, again = patched["paths"], patched["report"], patched["again"]
     assert len(paths) == N_LAYERS, paths
     calls = [ROWS] * (N_LAYERS * STEPS)  # one call per feed-forward and step (no checkpointing)
+    if entry in CLASS_SWITCHED:
+        # Switched by class, no probe: before or after FSDP2 (whose hooks on the block
+        # unshard the weights around the switched forward) the whole op runs
+        assert sorted(report["fused"]) == sorted(paths) and not report["skipped"], f"rank {rank}\n{report['text']}"
+        assert sorted(again["already"]) == sorted(paths), again["text"]
+        op, rows = ("grouped_experts_unpacked", ROWS * TOP_K) if entry == "apply_fsdp_moe" else ("swiglu_unpacked", ROWS)
+        assert patched["switched"] == {"grouped_experts_unpacked": [], "swiglu_unpacked": [], op: [rows] * len(calls)}
+        assert patched["whole"] == patched["activation"] == [], f"rank {rank}"
+        return
     hooked = entry in ("apply_tp", "fabric_fsdp2_litgpt_fn")  # hooks on every projection
     if when == "after" and not entry == "apply_tp":
         # FSDP2 sharded first: every feed-forward is named, skipped, with the cause

@@ -67,6 +67,7 @@ import sys
 import torch
 from torch import nn
 
+from .. import _distributed_compat
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.api import swiglu_unpacked
 from ..moe.grouped import grouped_experts_unpacked
@@ -201,8 +202,9 @@ def _normalized_skip_reason(module: nn.Module) -> str | None:
         obstacle = linear_obstacle(linear)
         if obstacle is not None:
             return f"{name}: {obstacle}"
-        if is_dtensor(linear.weight):
-            return f"{name}'s weight is a DTensor (tensor parallel?): left as is"
+        if is_dtensor(linear.weight) and not _distributed_compat.fsdp_managed(module):
+            # (FSDP2's shards outside the forward are fine: its hooks unshard them around it)
+            return f"{name}'s weight is a DTensor not managed by FSDP2 (tensor parallel?): left as is"
         if linear.bias is not None:
             return f"{name} has a bias, which NormalizedFeedForward's own never has"
     return None
