@@ -433,6 +433,58 @@ def test_torchtune_ungated_feed_forward_is_left_as_it_is(torchtune):
     assert type(ungated) is FeedForward
 
 
+def _torchtune_model_builders() -> list[tuple[str, object]]:
+    """("family.name", builder) of every model builder torchtune ships: the
+    public functions of each ``torchtune.models`` package that need no
+    argument (the named sizes: llama3_1_405b, qwen2_5_72b_instruct, ...;
+    tokenizers, transforms and LoRA builders need arguments or are no model)."""
+    import pkgutil
+
+    import torchtune.models
+
+    found = []
+    for package in pkgutil.iter_modules(torchtune.models.__path__):
+        if not package.ispkg:
+            continue
+        module = importlib.import_module(f"torchtune.models.{package.name}")
+        for name in getattr(module, "__all__", ()):
+            fn = getattr(module, name)
+            if not inspect.isfunction(fn) or "tokenizer" in name or "transform" in name:
+                continue
+            params = inspect.signature(fn).parameters.values()
+            if all(p.default is not p.empty or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
+                found.append((f"{package.name}.{name}", fn))
+    return found
+
+
+def test_every_torchtune_model_builder_is_fused_or_pending(torchtune):
+    """Every named model builder of torchtune 0.6.1 (Llama 2/3/3.1/3.2/3.3 and
+    the 3.2-Vision models, Code Llama 2, Mistral, Qwen2/2.5, Phi-3/4, Gemma 1/2,
+    T5, CLIP, Flux's autoencoder), built on the meta device at its real size:
+    every gated ``FeedForward`` is pending (decided at its first forward, as
+    the tiny models above show), nothing is skipped or fused only in part,
+    and the ungated ones (CLIP's, the vision encoders') are not reported."""
+    from torchtune.modules import FeedForward
+
+    builders = _torchtune_model_builders()
+    names = [name for name, _ in builders]
+    for family in ("llama3_3", "qwen2_5", "phi4", "code_llama2", "llama3_2_vision", "t5"):
+        assert any(name.startswith(family + ".") for name in names), (family, names)
+    models = 0
+    for name, builder in builders:
+        with torch.device("meta"):
+            model = builder()
+        if not isinstance(model, nn.Module):  # base_llama_tp_plan: a dict
+            continue
+        models += 1
+        report = sc.patch(model)
+        gated = [p for p, m in model.named_modules() if isinstance(m, FeedForward) and m.w3 is not None]
+        assert sorted(report.pending) == sorted(gated), (name, str(report))
+        assert not report.fused and not report.skipped and not report.partial and not report.unreached, \
+            (name, str(report))
+    assert models >= 40, names
+
+
 # ---- OLMo-core -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
