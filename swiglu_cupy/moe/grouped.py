@@ -12,6 +12,11 @@ Layout (Hugging Face's packed 3-D expert weights; ``transposed=True`` is GPT-OSS
     b3        [E, D] or None
     routing_weights [S] or None (any floating dtype)
 
+``grouped_experts_unpacked`` takes gate and up as two stacks, w1 and w2 [E, I, D]
+(transposed: [E, D, I]); inside, ``w12`` is then the gate stack and ``w_up`` the up
+stack, and the two GEMMs fill the halves of one x12 (the loop writes them in place;
+grouped_mm, which has no out=, returns each half, copied in: a transient [S, I]).
+
     y[r] = w[r] * (act(x[r] @ W12[e].T + b12[e]) @ W3[e].T + b3[e])   for row r of expert e
 
 The routing weight multiplies the down output, bias included
@@ -618,7 +623,7 @@ def grouped_experts_unpacked(x_sorted: torch.Tensor, offsets: torch.Tensor, w1: 
     ``w1``/``w2`` ``[E, I, D]`` each (``transposed``: ``[E, D, I]``), ``w3`` ``[E, D, I]``
     (``[E, I, D]``), ``b1``/``b2`` ``[E, I]``, ``b3`` ``[E, D]``.
 
-    The gate and up GEMMs write the two halves of one x12 buffer, so the
+    The gate and up GEMMs fill the two halves of one x12 buffer, so the
     weights are never concatenated (no per-call ``[E, 2I, D]`` copy, nothing of
     them saved beyond the parameters themselves); the same Function, kernels,
     saved tensors and options as ``grouped_experts``. The backward takes one
