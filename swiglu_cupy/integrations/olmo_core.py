@@ -67,7 +67,6 @@ import sys
 import torch
 from torch import nn
 
-from .. import _distributed_compat
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.api import swiglu_unpacked
 from ..moe.grouped import grouped_experts_unpacked
@@ -195,6 +194,8 @@ def olmo_core_skip_reason(module: nn.Module) -> str | None:
 
 
 def _normalized_skip_reason(module: nn.Module) -> str | None:
+    from .. import _distributed_compat  # OLMo-core is loaded: the compat entry may be read (not imported before)
+
     if set(module._parameters) != {"sw1", "sw3"} or set(module._modules) != {"w1", "w2", "w3"}:
         return f"unexpected parameters {sorted(module._parameters)} or children {sorted(module._modules)}"
     for name in ("w1", "w2", "w3"):
