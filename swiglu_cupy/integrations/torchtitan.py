@@ -61,10 +61,10 @@ from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts, grouped_experts_unpacked
 from .forward import is_dtensor, plain_linear
-from .fused import switched_base, switched_class
+from .fused import switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
-           "is_torchtitan_switchable", "torchtitan_base",
+           "is_torchtitan_switchable",
            "SwiGLUCupyConverter"]
 
 _SILU = GLUActivation("silu")
@@ -252,11 +252,6 @@ def is_torchtitan_switchable(module: nn.Module) -> bool:
     fused_swiglu = _fused_swiglu_base()
     return ((moe is not None and isinstance(module, moe.GroupedExperts))
             or (fused_swiglu is not None and isinstance(module, fused_swiglu)))
-
-
-def torchtitan_base(module: nn.Module) -> type:
-    """The torchtitan class a switched module came from (else its own class)."""
-    return switched_base(module)
 
 
 def torchtitan_skip_reason(module: nn.Module) -> str | None:
