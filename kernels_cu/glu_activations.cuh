@@ -5,9 +5,14 @@
 //   h = act(gate') * up'      gate' = min(gate, limit), up' = clamp(up, -limit, limit)
 //                             when clamped; OAI: up' += up_offset
 //
-// The runtime scalars (limit, OAI's alpha and up_offset) are kernel arguments
-// in acc_t. Backward gradients follow torch's autograd of the eager
-// expression: a clamp passes the gradient where min <= x <= max (0 for NaN).
+// The runtime scalars (limit, OAI's alpha and up_offset, grad_bound) are
+// kernel arguments in acc_t. Backward gradients follow torch's autograd of
+// the eager expression: a clamp passes the gradient where |x| <= grad_bound
+// (gate: x <= grad_bound; 0 for NaN). The host sets grad_bound to the limit
+// where the installed torch passes the gradient at exactly the bound (up to
+// 2.13), and to the next value below it where torch cuts there (2.14 on):
+// for floats, x < L is x <= nextafter(L, -inf), so either rule costs the
+// same compare.
 #pragma once
 #include "swiglu_common.cuh"
 
@@ -15,6 +20,7 @@ struct GluParams {
     acc_t limit;      // read by clamped instances only
     acc_t alpha;      // OaiAct only
     acc_t up_offset;  // OaiAct only
+    acc_t grad_bound; // clamped backward only: the gradient passes where |x| <= grad_bound
 };
 
 __device__ __forceinline__ float tanh_acc(float v) { return tanhf(v); }
@@ -135,8 +141,8 @@ struct Glu {
         du = d * a;
         dg = d * uc * da;
         if (CLAMP) {
-            if (!(g <= p.limit)) dg = acc_t(0);
-            if (!(u >= -p.limit && u <= p.limit)) du = acc_t(0);
+            if (!(g <= p.grad_bound)) dg = acc_t(0);
+            if (!(u >= -p.grad_bound && u <= p.grad_bound)) du = acc_t(0);
         }
     }
 };
