@@ -245,11 +245,11 @@ def _act(g: torch.Tensor, spec: GLUActivation, want_grad: bool):
         s = torch.sigmoid(g * spec.alpha if kind == "oai" else g)
         a = g * s
         da = s * (1 + (g * spec.alpha if kind == "oai" else g) * (1 - s)) if want_grad else None
-    elif kind == "gelu_tanh":
-        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        t = torch.tanh(inner)
-        a = 0.5 * g * (1 + t)
-        da = (0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+    elif kind == "gelu_tanh":  # 0.5 (1 + tanh y) = sigmoid(2 y), as the kernels: 1 + tanh(y) cancels for g << 0
+        z = 2 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        s = torch.sigmoid(z)
+        a = g * s
+        da = (s + 2 * g * (s * torch.sigmoid(-z)) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g))
               if want_grad else None)
     elif kind == "gelu":
         cdf = 0.5 * (1 + torch.erf(g * _INV_SQRT_2))
