@@ -330,6 +330,7 @@ def test_patching_without_deepspeed_imports_nothing_of_it(tmp_path):
         assert list(report.fused) == [""] and mlp.fusion() == "mlp", report
         assert not report.engines and not hasattr(mlp, "_z3_leaf"), report
         assert "deepspeed" not in sys.modules and "swiglu_cupy._distributed_compat" not in sys.modules
+        assert "swiglu_cupy.integrations.deepspeed_zero3" not in sys.modules
         print("ok")
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

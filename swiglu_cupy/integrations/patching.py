@@ -129,8 +129,8 @@ _ZERO3_NOTE = " (DeepSpeed ZeRO-3: parameters gathered as a leaf module)"
 
 
 def _under_zero3(module: nn.Module) -> bool:
-    compat = _zero3()
-    return compat is not None and any(compat.zero3_param(p) for p in module.parameters())
+    ds = _zero3()
+    return ds is not None and any(ds.zero3_param(p) for p in module.parameters())
 
 
 def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -> None:
