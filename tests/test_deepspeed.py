@@ -129,7 +129,7 @@ class _Counts:
     fallback, and the experts function (wrapping the functions it calls)."""
 
     def __init__(self, monkeypatch):
-        from swiglu_cupy.integrations import forward, hf_experts
+        from swiglu_cupy.integrations import hf_experts, plan_runner
 
         self.whole = self.activation = self.experts = 0
 
@@ -141,8 +141,8 @@ class _Counts:
                 return original(*args, **kwargs)
             monkeypatch.setattr(module, name, wrapper)
 
-        counting(forward, "_whole_mlp", "whole")
-        counting(forward, "glu_mul", "activation")
+        counting(plan_runner, "_whole_mlp", "whole")
+        counting(plan_runner, "glu_mul", "activation")
         counting(hf_experts, "route_and_combine", "experts")
 
     def snapshot(self) -> dict:

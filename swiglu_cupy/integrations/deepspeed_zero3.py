@@ -8,7 +8,7 @@ ZeRO stages on 2 CPU ranks).
 
 Nothing here imports deepspeed at module level, and the other integrations
 import this module only when ``"deepspeed" in sys.modules``
-(``forward._zero3``), so users without DeepSpeed pay nothing.
+(``plan_runner._zero3``), so users without DeepSpeed pay nothing.
 """
 from __future__ import annotations
 

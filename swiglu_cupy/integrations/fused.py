@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..activations import GLUActivation
-from .forward import _zero3, fusion_of, run_plan
+from .plan_runner import _zero3, fusion_of, run_plan
 from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
 

@@ -46,7 +46,7 @@ from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..activations import GPT_OSS, GLUActivation
 from .._validation import check_expert_ids
 from ..moe.routing import route_and_combine
-from .forward import _zero3
+from .plan_runner import _zero3
 from .recognition import KNOWN_ACTIVATIONS, identify_activation, rows_agree
 from ..reference import glu_reference, split_gate_up
 
