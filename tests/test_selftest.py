@@ -147,7 +147,7 @@ def test_quick_facts_order_deadline_and_exit_code(tmp_path, monkeypatch, capsys)
     failed check makes it exit 1 with the check's figures printed."""
     import json
 
-    from swiglu_cupy.primitives import selfcheck
+    from swiglu_cupy.primitives import first_use_check
     from swiglu_cupy.tools import quick_facts
 
     events = []
@@ -155,14 +155,14 @@ def test_quick_facts_order_deadline_and_exit_code(tmp_path, monkeypatch, capsys)
     def fake_check(launcher, spec, dtype, device):
         events.append(("check", str(spec), dtype))
         failed = spec.kind == "oai" and spec.limit is not None and spec.interleaved   # the last variant
-        return selfcheck.CheckResult(selfcheck.kernel_variant(spec), dtype, "GPU X", "failed" if failed else "passed",
-                                     "glu_forward_oai_clamp_pairs_vec_p1 h: worst |diff| 3 = 7 x its bound" if failed else "ok",
-                                     0.002, 24, 1)
+        return first_use_check.CheckResult(
+            first_use_check.kernel_variant(spec), dtype, "GPU X", "failed" if failed else "passed",
+            "glu_forward_oai_clamp_pairs_vec_p1 h: worst |diff| 3 = 7 x its bound" if failed else "ok", 0.002, 24, 1)
 
     monkeypatch.setattr(quick_facts.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(quick_facts.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(selfcheck, "check_module", fake_check)
-    monkeypatch.setattr(selfcheck, "describe_device", lambda launcher, device: "GPU X")
+    monkeypatch.setattr(first_use_check, "check_module", fake_check)
+    monkeypatch.setattr(first_use_check, "describe_device", lambda launcher, device: "GPU X")
     monkeypatch.setattr(quick_facts, "time_llama", lambda device: events.append(("llama",)) or {
         "shape": {"M": 1, "D": 2, "H": 3, "dtype": "bfloat16"}, "fwd_bwd_ms": {"eager_hf": 2.0, "swiglu_cupy": 1.0},
         "peak_bytes": {"eager_hf": 2 * 2**20, "swiglu_cupy": 2**20}})
