@@ -48,7 +48,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
-    from .tools.selftest import run
+    from .tools.gpu_selftest import run
 
     return run(args.out)
 
