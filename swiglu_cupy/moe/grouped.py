@@ -74,7 +74,7 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
-from .._tiling import HALF_DTYPES, resolve_tile_rows, tile_slices
+from .._tile_size import HALF_DTYPES, resolve_tile_rows, tile_slices
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
