@@ -16,7 +16,7 @@ PACKAGE = Path(swiglu_cupy.__file__).resolve().parent
 LEAVES = {"_version", "_dtypes", "activations", "reference", "_validation", "_torch_compat",
           "_distributed_compat", "_autograd", "_tile_size"}
 SUBPACKAGE_RANK = {"kernels": 1, "primitives": 2, "dense": 3, "moe": 3, "integrations": 4, "tools": 5}
-FACE_RANK = 6  # __init__, __main__, cli and the public re-export paths (hf, hf_experts, xformers, parallel, ops)
+FACE_RANK = 6  # __init__, __main__, subcommands and the public re-export paths (hf, hf_experts, xformers, parallel, ops)
 
 
 def _modules() -> dict[str, Path]:

@@ -89,6 +89,19 @@ def test_hf_experts_import_registers_the_experts_implementation():
     assert hx.NAME in ExpertsInterface._global_mapping
 
 
+def test_the_console_script_names_a_callable_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    import importlib
+    from pathlib import Path
+
+    pyproject = Path(swiglu_cupy.__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed package without its pyproject.toml")
+    target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["swiglu-cupy"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), target
+
+
 def test_the_cli_lists_its_commands():
     out = subprocess.run([sys.executable, "-m", "swiglu_cupy", "--help"], capture_output=True, text=True,
                          check=True).stdout
