@@ -5,9 +5,14 @@
 //   h = act(gate') * up'      gate' = min(gate, limit), up' = clamp(up, -limit, limit)
 //                             when clamped; OAI: up' += up_offset
 //
-// The runtime scalars (limit, OAI's alpha and up_offset) are kernel arguments
-// in acc_t. Backward gradients follow torch's autograd of the eager
-// expression: a clamp passes the gradient where min <= x <= max (0 for NaN).
+// The runtime scalars (limit, OAI's alpha and up_offset, grad_bound) are
+// kernel arguments in acc_t. Backward gradients follow torch's autograd of
+// the eager expression: a clamp passes the gradient where |x| <= grad_bound
+// (gate: x <= grad_bound; 0 for NaN). The host sets grad_bound to the limit
+// where the installed torch passes the gradient at exactly the bound (up to
+// 2.13), and to the next value below it where torch cuts there (2.14 on):
+// for floats, x < L is x <= nextafter(L, -inf), so either rule costs the
+// same compare.
 #pragma once
 #include "swiglu_common.cuh"
 
@@ -15,10 +20,9 @@ struct GluParams {
     acc_t limit;      // read by clamped instances only
     acc_t alpha;      // OaiAct only
     acc_t up_offset;  // OaiAct only
+    acc_t grad_bound; // clamped backward only: the gradient passes where |x| <= grad_bound
 };
 
-__device__ __forceinline__ float tanh_acc(float v) { return tanhf(v); }
-__device__ __forceinline__ double tanh_acc(double v) { return tanh(v); }
 __device__ __forceinline__ float erf_acc(float v) { return erff(v); }
 // fp64 erf is a long libdevice routine: inlined into a multi-pack tile,
 // ptxas interleaves several of them and spills. One out-of-line copy keeps
@@ -34,9 +38,10 @@ struct PlainUp {
 struct SiluAct : PlainUp {  // SwiGLU
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams&) { return g * sigmoid_acc(g); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams&, acc_t& a, acc_t& da) {
-        const acc_t s = sigmoid_acc(g);
+        acc_t s, c;
+        sigmoid_and_complement(g, s, c);
         a = g * s;
-        da = s * (acc_t(1) + g * (acc_t(1) - s));
+        da = s * (acc_t(1) + g * c);
     }
 };
 
@@ -46,27 +51,29 @@ struct OaiAct {
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams& p) { return g * sigmoid_acc(g * p.alpha); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams& p, acc_t& a, acc_t& da) {
         const acc_t z = g * p.alpha;
-        const acc_t s = sigmoid_acc(z);
+        acc_t s, c;
+        sigmoid_and_complement(z, s, c);
         a = g * s;
-        da = s * (acc_t(1) + z * (acc_t(1) - s));
+        da = s * (acc_t(1) + z * c);
     }
 };
 
-// GeGLU as Gemma computes it: F.gelu(approximate="tanh"), torch's constants and order.
+// GeGLU as Gemma computes it: F.gelu(approximate="tanh"), torch's constants.
+// 0.5 * (1 + tanh(y)) is sigmoid(2y) exactly, so the value is g * sigmoid(2 * inner)
+// and the derivative needs no tanh: (1 - tanh^2) / 2 = 2 s (1 - s).
 struct GeluTanhAct : PlainUp {
     static constexpr double kBeta = 0.7978845608028654;  // sqrt(2 / pi)
     static constexpr double kKappa = 0.044715;
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams&) {
         const acc_t inner = acc_t(kBeta) * (g + acc_t(kKappa) * (g * g * g));
-        return acc_t(0.5) * g * (acc_t(1) + tanh_acc(inner));
+        return g * sigmoid_acc(acc_t(2) * inner);
     }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams&, acc_t& a, acc_t& da) {
         const acc_t g2 = g * g;
-        const acc_t t = tanh_acc(acc_t(kBeta) * (g + acc_t(kKappa) * (g2 * g)));
-        const acc_t right = acc_t(1) + t;
-        a = acc_t(0.5) * g * right;
-        da = acc_t(0.5) * right
-           + acc_t(0.5) * g * (acc_t(1) - t * t) * (acc_t(kBeta) * (acc_t(1) + acc_t(3 * kKappa) * g2));
+        acc_t s, c;
+        sigmoid_and_complement(acc_t(2) * (acc_t(kBeta) * (g + acc_t(kKappa) * (g2 * g))), s, c);
+        a = g * s;
+        da = s + acc_t(2) * g * (s * c) * (acc_t(kBeta) * (acc_t(1) + acc_t(3 * kKappa) * g2));
     }
 };
 
@@ -97,8 +104,9 @@ struct ReluAct : PlainUp {
 struct SigmoidAct : PlainUp {
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams&) { return sigmoid_acc(g); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams&, acc_t& a, acc_t& da) {
-        a = sigmoid_acc(g);
-        da = a * (acc_t(1) - a);
+        acc_t c;
+        sigmoid_and_complement(g, a, c);
+        da = a * c;
     }
 };
 
@@ -135,8 +143,8 @@ struct Glu {
         du = d * a;
         dg = d * uc * da;
         if (CLAMP) {
-            if (!(g <= p.limit)) dg = acc_t(0);
-            if (!(u >= -p.limit && u <= p.limit)) du = acc_t(0);
+            if (!(g <= p.grad_bound)) dg = acc_t(0);
+            if (!(u >= -p.grad_bound && u <= p.grad_bound)) du = acc_t(0);
         }
     }
 };

@@ -67,17 +67,17 @@ __device__ __forceinline__ void glu_backward_pairs(
         const scalar_t* gate, const scalar_t* up, const scalar_t* dh, scalar_t* dgate,          \
         scalar_t* dup, scalar_t* h, index_t M, index_t H, index_t ld_gate, index_t ld_up,       \
         index_t ld_dh, index_t ld_dgate, index_t ld_dup, index_t ld_h,                          \
-        acc_t limit, acc_t alpha, acc_t up_offset) {                                            \
+        acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {                          \
         glu_backward_halves<GLU, N, PACKS>(gate, up, dh, dgate, dup, h, M, H, ld_gate, ld_up,   \
                                            ld_dh, ld_dgate, ld_dup, ld_h,                       \
-                                           GluParams{limit, alpha, up_offset});                 \
+                                           GluParams{limit, alpha, up_offset, grad_bound});     \
     }
 
 #define GLU_BACKWARD_PAIRS_ENTRY(name, GLU, N, PACKS)                                          \
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                       \
         const scalar_t* x12, const scalar_t* dh, scalar_t* dx12, scalar_t* h, index_t M,        \
         index_t H, index_t ld_x12, index_t ld_dh, index_t ld_dx12, index_t ld_h,                \
-        acc_t limit, acc_t alpha, acc_t up_offset) {                                            \
+        acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {                          \
         glu_backward_pairs<GLU, N, PACKS>(x12, dh, dx12, h, M, H, ld_x12, ld_dh, ld_dx12, ld_h, \
-                                          GluParams{limit, alpha, up_offset});                  \
+                                          GluParams{limit, alpha, up_offset, grad_bound});      \
     }

@@ -48,13 +48,57 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(acc
 template <> __device__ __forceinline__ float from_acc<float>(acc_t v) { return (float)v; }
 template <> __device__ __forceinline__ double from_acc<double>(acc_t v) { return (double)v; }
 
-__device__ __forceinline__ float exp_acc(float v) { return expf(v); }
-__device__ __forceinline__ double exp_acc(double v) { return exp(v); }
+// fp32 transcendentals without a per-element branch or call: 1/x in C++
+// compiles to a test, a branch and a call of the IEEE division subroutine per
+// element, so the reciprocal is the hardware's (MUFU.RCP). e^x is the
+// hardware's 2^x of x log2(e) for 16-bit storage (the product's rounding
+// gives a relative error near |x| 2^-24, far below a bf16/fp16 ulp) and
+// accurate expf for fp32 storage (7 more instructions, no branch). Errors
+// against fp64: tests/test_activation_math.py, docs/design.md ("Activation
+// math"). Host execution (g++) has no MUFU: it runs the libm forms.
+#define SWIGLU_LOG2E 1.4426950408889634f
 
-// 1 / (1 + e^-g): exp overflows to +inf for very negative g, giving exactly 0,
-// so no branch is needed for stability.
-__device__ __forceinline__ acc_t sigmoid_acc(acc_t g) {
-    return acc_t(1) / (acc_t(1) + exp_acc(-g));
+__device__ __forceinline__ float exp2_fast(float v) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+#else
+    return exp2f(v);
+#endif
+}
+
+__device__ __forceinline__ float rcp_fast(float v) {
+#ifdef __CUDA_ARCH__
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+#else
+    return 1.0f / v;
+#endif
+}
+
+__device__ __forceinline__ float exp_acc(float v) {
+    if constexpr (sizeof(scalar_t) < sizeof(float)) return exp2_fast(v * SWIGLU_LOG2E);
+    else return expf(v);
+}
+__device__ __forceinline__ double exp_acc(double v) { return exp(v); }  // fp64: the checking dtype, exact forms
+
+__device__ __forceinline__ float rcp_acc(float v) { return rcp_fast(v); }
+__device__ __forceinline__ double rcp_acc(double v) { return 1.0 / v; }  // fp64: exact forms
+
+// 1 / (1 + e^-g): e^-g overflows to +inf for very negative g and the
+// reciprocal gives exactly 0, so no branch is needed for stability.
+__device__ __forceinline__ acc_t sigmoid_acc(acc_t g) { return rcp_acc(acc_t(1) + exp_acc(-g)); }
+
+// s = sigmoid(g) and c = 1 - s, each within a few ulps for the derivatives:
+// 1 - s cancels where s nears 1, and there (e^-g <= 1) c = e^-g * s exactly
+// in real numbers; elsewhere s <= 1/2 and 1 - s is exact to rounding. A
+// select, not a branch.
+__device__ __forceinline__ void sigmoid_and_complement(acc_t g, acc_t& s, acc_t& c) {
+    const acc_t e = exp_acc(-g);
+    s = rcp_acc(acc_t(1) + e);
+    c = e <= acc_t(1) ? e * s : acc_t(1) - s;
 }
 
 // Elements per 16-byte vector access.

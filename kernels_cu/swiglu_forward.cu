@@ -54,14 +54,14 @@ __device__ __forceinline__ void glu_forward_pairs(
 #define GLU_FORWARD_ENTRY(name, GLU, N, PACKS)                                                \
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                      \
         const scalar_t* gate, const scalar_t* up, scalar_t* h, index_t M, index_t H,           \
-        index_t ld_gate, index_t ld_up, index_t ld_h, acc_t limit, acc_t alpha, acc_t up_offset) { \
+        index_t ld_gate, index_t ld_up, index_t ld_h, acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) { \
         glu_forward_halves<GLU, N, PACKS>(gate, up, h, M, H, ld_gate, ld_up, ld_h,             \
-                                          GluParams{limit, alpha, up_offset});                 \
+                                          GluParams{limit, alpha, up_offset, grad_bound});     \
     }
 
 #define GLU_FORWARD_PAIRS_ENTRY(name, GLU, N, PACKS)                                          \
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                      \
         const scalar_t* x12, scalar_t* h, index_t M, index_t H, index_t ld_x12, index_t ld_h,  \
-        acc_t limit, acc_t alpha, acc_t up_offset) {                                           \
-        glu_forward_pairs<GLU, N, PACKS>(x12, h, M, H, ld_x12, ld_h, GluParams{limit, alpha, up_offset}); \
+        acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {                         \
+        glu_forward_pairs<GLU, N, PACKS>(x12, h, M, H, ld_x12, ld_h, GluParams{limit, alpha, up_offset, grad_bound}); \
     }

@@ -141,18 +141,18 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                       \
         const scalar_t* gate, const scalar_t* up, scalar_t* h, unsigned char* q, float* scales,  \
         index_t M, index_t H, index_t ld_gate, index_t ld_up, index_t ld_h, index_t ld_q,        \
-        index_t ld_scales, acc_t limit, acc_t alpha, acc_t up_offset) {                          \
+        index_t ld_scales, acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {        \
         glu_forward_fp8_halves<GLU, PACKS>(gate, up, h, q, scales, M, H, ld_gate, ld_up, ld_h,  \
-                                           ld_q, ld_scales, GluParams{limit, alpha, up_offset}); \
+                                           ld_q, ld_scales, GluParams{limit, alpha, up_offset, grad_bound}); \
     }
 
 #define GLU_FORWARD_FP8_PAIRS_ENTRY(name, GLU, N, PACKS)                                       \
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                       \
         const scalar_t* x12, scalar_t* h, unsigned char* q, float* scales, index_t M, index_t H, \
         index_t ld_x12, index_t ld_h, index_t ld_q, index_t ld_scales,                           \
-        acc_t limit, acc_t alpha, acc_t up_offset) {                                             \
+        acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {                           \
         glu_forward_fp8_pairs<GLU, PACKS>(x12, h, q, scales, M, H, ld_x12, ld_h, ld_q, ld_scales, \
-                                          GluParams{limit, alpha, up_offset});                   \
+                                          GluParams{limit, alpha, up_offset, grad_bound});        \
     }
 
 #define GLU_BACKWARD_FP8_ENTRY(name, GLU, N, PACKS)                                            \
@@ -160,17 +160,17 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
         const unsigned char* q, const float* scales, const scalar_t* dh, scalar_t* dgate,        \
         scalar_t* dup, scalar_t* h, index_t M, index_t H, index_t ld_q, index_t ld_scales,        \
         index_t ld_dh, index_t ld_dgate, index_t ld_dup, index_t ld_h,                            \
-        acc_t limit, acc_t alpha, acc_t up_offset) {                                             \
+        acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) {                            \
         glu_backward_fp8_halves<GLU, PACKS>(q, scales, dh, dgate, dup, h, M, H, ld_q, ld_scales, \
                                             ld_dh, ld_dgate, ld_dup, ld_h,                       \
-                                            GluParams{limit, alpha, up_offset});                 \
+                                            GluParams{limit, alpha, up_offset, grad_bound});     \
     }
 
 #define GLU_BACKWARD_FP8_PAIRS_ENTRY(name, GLU, N, PACKS)                                      \
     extern "C" __global__ void SWIGLU_LAUNCH_BOUNDS name(                                       \
         const unsigned char* q, const float* scales, const scalar_t* dh, scalar_t* dx12,         \
         scalar_t* h, index_t M, index_t H, index_t ld_q, index_t ld_scales, index_t ld_dh,        \
-        index_t ld_dx12, index_t ld_h, acc_t limit, acc_t alpha, acc_t up_offset) {              \
+        index_t ld_dx12, index_t ld_h, acc_t limit, acc_t alpha, acc_t up_offset, acc_t grad_bound) { \
         glu_backward_fp8_pairs<GLU, PACKS>(q, scales, dh, dx12, h, M, H, ld_q, ld_scales, ld_dh, \
-                                           ld_dx12, ld_h, GluParams{limit, alpha, up_offset});  \
+                                           ld_dx12, ld_h, GluParams{limit, alpha, up_offset, grad_bound}); \
     }

@@ -102,3 +102,33 @@ def global_module_hooks_active() -> bool:
 
     return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks
                 or nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
+
+
+# ---- torch's clamp gradient at the bounds ---------------------------------------------------
+# ``x.clamp(min=lo, max=hi)`` with scalar bounds passes the gradient to an
+# element exactly at a bound up to torch 2.13 (``lo <= x <= hi``) and not
+# from 2.14 on (``lo < x < hi``); NaN gets 0 in both. The clamped GLU variants
+# (GPT-OSS, DeepSeek-V4, every ``limit=``) must cut where the installed torch
+# cuts, or a patched model's gradients differ from its own eager model's at
+# every element that lands on the limit. Found once, at import, by a tiny
+# clamp backward (both bounds: tests/test_torch_compat.py checks they agree).
+
+def _clamp_passes_gradient_at_bound() -> bool:
+    try:
+        # Explicit device and grad mode: the import may happen inside a
+        # ``torch.device("meta")`` block, ``no_grad`` or ``inference_mode``.
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.ones(2, dtype=torch.float32, device="cpu", requires_grad=True)
+            x.mul(torch.tensor([1.0, -1.0], device="cpu")).clamp(min=-1.0, max=1.0).sum().backward()
+            return bool((x.grad != 0).all().item())
+    except Exception:  # a tracing/dispatch mode active at import: decide by the version that changed it
+        return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14)
+
+
+#: True where torch's scalar clamp passes the gradient at exactly a bound.
+CLAMP_GRADIENT_AT_BOUND: bool = _clamp_passes_gradient_at_bound()
+
+
+def clamp_gradient_at_bound() -> bool:
+    """The rule in force (read at call time, so that tests can switch it)."""
+    return CLAMP_GRADIENT_AT_BOUND

@@ -9,7 +9,9 @@ OAI (GPT-OSS) form; the spec also names the layout of the packed x12:
   (bilinear), or ``"oai"``: ``gate * sigmoid(alpha * gate) * (up + up_offset)``.
 - ``limit``: clamp before the activation, ``gate = min(gate, limit)`` and
   ``up = clamp(up, -limit, limit)`` (DeepSeek-V4, GPT-OSS); None: no clamp.
-  Gradients pass where torch's ``clamp`` passes them (``min <= x <= max``).
+  Gradients pass where the installed torch's ``clamp`` passes them: at
+  exactly the limit up to torch 2.13 (``min <= x <= max``), not from 2.14 on
+  (``min < x < max``); ``_torch_compat.CLAMP_GRADIENT_AT_BOUND`` holds the rule.
 - ``interleaved``: x12 columns are ``[g0, u0, g1, u1, ...]`` (GPT-OSS,
   torchtitan's fused ``w13``) instead of the halves ``[gate | up]``.
 

@@ -33,14 +33,31 @@ def split_gate_up(x12: torch.Tensor, activation) -> tuple[torch.Tensor, torch.Te
     return x12.chunk(2, dim=-1)
 
 
-def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation="silu") -> torch.Tensor:
+def _clamp_with_rule(x: torch.Tensor, low: float | None, high: float, gradient_at_bound: bool) -> torch.Tensor:
+    """``x.clamp(low, high)``'s value, with the gradient passed where
+    ``low <= x <= high`` (``gradient_at_bound``) or ``low < x < high``."""
+    below = torch.le if gradient_at_bound else torch.lt
+    inside = below(x, high) if low is None else below(x, high) & below(-x, -low)
+    return torch.where(inside, x, x.detach().clamp(low, high))
+
+
+def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation="silu", *,
+                  clamp_gradient_at_bound: bool | None = None) -> torch.Tensor:
     """``act(gate) * up`` for any ``GLUActivation`` (or a plain form's name),
     written as the models write it (HF's eager expressions), so autograd of
-    this is the reference gradient, clamp boundaries included."""
+    this is the reference gradient, clamp boundaries included.
+
+    ``clamp_gradient_at_bound``: None clamps with ``torch.clamp`` itself, so
+    an element exactly at the limit gets the installed torch's gradient
+    (passed up to 2.13, cut from 2.14); True or False imposes one rule, to
+    check either on any torch."""
     spec = resolve_activation(activation)
-    if spec.limit is not None:
+    if spec.limit is not None and clamp_gradient_at_bound is None:
         gate = gate.clamp(max=spec.limit)
         up = up.clamp(min=-spec.limit, max=spec.limit)
+    elif spec.limit is not None:
+        gate = _clamp_with_rule(gate, None, spec.limit, clamp_gradient_at_bound)
+        up = _clamp_with_rule(up, -spec.limit, spec.limit, clamp_gradient_at_bound)
     if spec.kind == "oai":
         return (up + spec.up_offset) * (gate * torch.sigmoid(gate * spec.alpha))
     act = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh"), "gelu": F.gelu,
@@ -49,19 +66,24 @@ def glu_reference(gate: torch.Tensor, up: torch.Tensor, activation="silu") -> to
 
 
 def glu_ffn_reference(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
-                      w3: torch.Tensor, b3: torch.Tensor | None, activation="silu") -> torch.Tensor:
+                      w3: torch.Tensor, b3: torch.Tensor | None, activation="silu", *,
+                      clamp_gradient_at_bound: bool | None = None) -> torch.Tensor:
     """The packed feed-forward with any activation spec (x12 in its layout)."""
-    return F.linear(glu_reference(*split_gate_up(F.linear(x, w12, b12), activation), activation), w3, b3)
+    h = glu_reference(*split_gate_up(F.linear(x, w12, b12), activation), activation,
+                      clamp_gradient_at_bound=clamp_gradient_at_bound)
+    return F.linear(h, w3, b3)
 
 
 def experts_reference(hidden_states, top_k_index, top_k_weights, w12, w3, b12=None, b3=None, *,
-                      activation="silu", transposed=False, x12_dtype=None) -> torch.Tensor:
+                      activation="silu", transposed=False, x12_dtype=None,
+                      clamp_gradient_at_bound: bool | None = None) -> torch.Tensor:
     """The slow eager reference of ``routed_experts``: a loop over experts of
     plain torch ops (``glu_reference``), accumulated per token in fp32.
     ``x12_dtype`` rounds the gate/up projection to that dtype before the
     activation (as a low-precision op stores it): a clamp's gradient jumps at
     the limit, so a check of a bf16 op against a float64 reference must take
-    the same clamp decisions."""
+    the same clamp decisions. ``clamp_gradient_at_bound``: as in
+    ``glu_reference``."""
 
     spec = resolve_activation(activation)
     D = hidden_states.shape[-1]
@@ -78,7 +100,8 @@ def experts_reference(hidden_states, top_k_index, top_k_weights, w12, w3, b12=No
         x12 = F.linear(x[token], W12, None if b12 is None else b12[e])
         if x12_dtype is not None:
             x12 = x12.to(x12_dtype).to(x12.dtype)
-        z = F.linear(glu_reference(*split_gate_up(x12, spec), spec), W3, None if b3 is None else b3[e])
+        h = glu_reference(*split_gate_up(x12, spec), spec, clamp_gradient_at_bound=clamp_gradient_at_bound)
+        z = F.linear(h, W3, None if b3 is None else b3[e])
         if top_k_weights is not None:
             z = z * top_k_weights.reshape(x.shape[0], K)[token, slot].unsqueeze(1)
         acc = acc.index_add(0, token, z.to(acc.dtype))

@@ -171,3 +171,15 @@ def onnx_run_with_standard_ops(model, x, tmp_path):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (out,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
     return torch.from_numpy(out)
+
+
+@pytest.fixture(params=[True, False], ids=["grad_at_bound", "no_grad_at_bound"])
+def clamp_rule(request, monkeypatch):
+    """Each torch's clamp rule in turn, whatever torch is installed: True
+    (up to 2.13) passes the gradient at exactly the limit, False (2.14 on)
+    gives it 0. Compare against ``glu_reference(...,
+    clamp_gradient_at_bound=clamp_rule)``."""
+    from swiglu_cupy import _torch_compat
+
+    monkeypatch.setattr(_torch_compat, "CLAMP_GRADIENT_AT_BOUND", request.param)
+    return request.param

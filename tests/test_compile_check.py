@@ -101,6 +101,33 @@ def _check_vector_accesses(ptx: str, variant, dtype):
             assert not vector_access, name
 
 
+def test_the_cubin_is_whole_elf_that_cuobjdump_reads():
+    """CuPy 14.2's getCUBIN drops the last byte NVRTC reports, which leaves
+    an ELF that cuobjdump rejects ("does not contain device code"): the
+    compile check returns all of it."""
+    import tempfile
+
+    from swiglu_cupy.kernels.cuda_headers import cuda_tool
+
+    reports, cubin = compile_check.compile_module(torch.bfloat16, "sm_90")
+    assert cubin[:4] == b"\x7fELF" and len(cubin) == compile_check.elf_declared_size(cubin)
+    cuobjdump = cuda_tool("cuobjdump")
+    if cuobjdump is None:
+        pytest.skip("cuobjdump not installed (pip install nvidia-cuda-cuobjdump: the test extra has it)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        listed = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True, check=True)
+        short = cubin[:-1]  # what getCUBIN alone gives
+        f.seek(0)
+        f.truncate()
+        f.write(short)
+        f.flush()
+        rejected = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True)
+    assert {r.kernel for r in reports} <= set(re.findall(r"Function (\w+):", listed.stdout))
+    assert "Function" not in rejected.stdout  # the one-byte-short image: no device code read
+
+
 def test_parse_ptxas_log():
     log = """ptxas info    : Compiling entry function 'k_a' for 'sm_90'
 ptxas info    : Function properties for k_a

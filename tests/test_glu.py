@@ -88,10 +88,10 @@ def test_every_variant_matches_float64_autograd_of_the_eager_expression(name, dt
 @pytest.mark.parametrize("implementation", ["torch", "host_kernels"])
 @pytest.mark.parametrize("spec", [deepseek_v4(2.0), dataclasses.replace(GPT_OSS, limit=2.0),
                                   GLUActivation("relu", limit=2.0, interleaved=True)], ids=str)
-def test_clamp_boundaries_pass_the_gradient_like_torch_clamp(spec, implementation, host_launcher):
-    """Gate at, below and above +L; up at -L, L and beyond: torch's clamp
-    passes the gradient where min <= x <= max, so x == L gets it, L + ulp
-    does not (and NaN gets 0)."""
+def test_clamp_boundaries_pass_the_gradient_like_torch_clamp(spec, implementation, host_launcher, clamp_rule):
+    """Gate at, below and above +L; up at -L, L and beyond, under each torch's
+    rule: up to 2.13 torch's clamp passes the gradient where min <= x <= max,
+    from 2.14 where min < x < max; L + ulp never gets it (nor NaN)."""
     L = spec.limit
     ulp = torch.finfo(torch.float64).eps * L
     values = torch.tensor([-L - ulp, -L, -L + ulp, -1.0, 0.0, 0.5, L - ulp, L, L + ulp, 3 * L], dtype=torch.float64)
@@ -99,7 +99,7 @@ def test_clamp_boundaries_pass_the_gradient_like_torch_clamp(spec, implementatio
     up = values.repeat_interleave(len(values))
     gate, up = gate.view(10, 10).requires_grad_(), up.view(10, 10).requires_grad_()
     dh = torch.linspace(0.5, 2.0, 100, dtype=torch.float64).view(10, 10)
-    sc.glu_reference(gate, up, spec).backward(dh)
+    sc.glu_reference(gate, up, spec, clamp_gradient_at_bound=clamp_rule).backward(dh)
     gate_up = torch.stack([gate, up], dim=2).reshape(10, 20) if spec.interleaved else torch.cat([gate, up], 1)
     kw = {"launcher": host_launcher} if implementation == "host_kernels" else {"implementation": "torch"}
     dx12, h = primitives.swiglu_backward(gate_up.detach(), dh, activation=spec, **kw)
@@ -107,8 +107,11 @@ def test_clamp_boundaries_pass_the_gradient_like_torch_clamp(spec, implementatio
     torch.testing.assert_close(h, sc.glu_reference(gate, up, spec).detach(), rtol=1e-15, atol=1e-15)
     torch.testing.assert_close(dgate, gate.grad, rtol=1e-14, atol=1e-15)
     torch.testing.assert_close(dup, up.grad, rtol=1e-14, atol=1e-15)
-    assert (dgate[gate.detach() > L] == 0).all() and (dgate[gate.detach() == L] != 0).any()
-    assert (dup[up.detach().abs() > L] == 0).all() and (dup[up.detach().abs() == L] != 0).any()
+    assert (dgate[gate.detach() > L] == 0).all() and (dup[up.detach().abs() > L] == 0).all()
+    at_gate, at_up = dgate[gate.detach() == L], dup[up.detach().abs() == L]
+    assert ((at_gate != 0).any() == clamp_rule) and ((at_gate == 0).all() != clamp_rule)
+    assert ((at_up != 0).any() == clamp_rule) and ((at_up == 0).all() != clamp_rule)
+    assert (dgate[(gate.detach() - L).abs() == ulp] != 0).any()  # just below the limit: passes under both
 
 
 def test_interleaved_equals_halves_with_the_rows_interleaved():

@@ -321,6 +321,27 @@ def test_every_variant_kernel_matches_torch_implementation(host_launcher, varian
                 assert torch.equal(torch.cat([dgate, dup], 1), dx12)
 
 
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.clamp], ids=lambda v: v.tag)
+def test_clamped_kernels_follow_the_clamp_rule_in_force(host_launcher, variant, clamp_rule):
+    """Every clamped variant and dtype, both access widths, under each torch's
+    rule: the kernels' gradient at exactly +-limit is passed (2.13) or 0
+    (2.14 on), as the torch implementation's, and just inside the limit it
+    passes under both."""
+    spec = spec_of_variant(variant)
+    for dtype in DTYPES_ALL:
+        for M, H in [(5, 16), (3, 7)]:
+            x12, dh = _glu_inputs(M, H, dtype, spec, seed=M * H)
+            dh = dh.masked_fill(dh == 0, 1)
+            dx12, _ = primitives.swiglu_backward(x12, dh, launcher=host_launcher, activation=spec)
+            _check_glu(x12, dh, spec, dx12=dx12)
+            gate, up = reference.split_gate_up(x12, spec)
+            dgate, dup = reference.split_gate_up(dx12, spec)
+            at_gate, at_up = dgate[gate == spec.limit], dup[up.abs() == spec.limit]
+            assert at_gate.numel() and at_up.numel()
+            assert (at_gate != 0).any() if clamp_rule else (at_gate == 0).all(), dtype
+            assert (at_up != 0).any() if clamp_rule else (at_up == 0).all(), dtype  # relu's h may be 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("config", LAUNCH_CANDIDATES, ids=lambda c: c.label.replace(" ", "-"))
 def test_every_launch_candidate_on_the_interleaved_layout(host_launcher, config, dtype):

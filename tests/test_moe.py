@@ -3,6 +3,8 @@ reference (output and every gradient, routing weights included), both GEMM
 paths (grouped_mm and the per-expert loop), what is saved for backward,
 checkpointing, edge cases of the routing, bad arguments, torch.compile,
 autocast, FSDP2 and meta-device init on 2 gloo ranks."""
+from contextlib import nullcontext
+
 import pytest
 import torch
 from torch import nn
@@ -11,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 import rank_launcher
 import swiglu_cupy.moe as moe
 from swiglu_cupy.moe import grouped, routing
-from conftest import (assert_nontrivial, rel_rms, routed_saved_bytes, routed_saved_bytes_a6d6350,
+from conftest import (assert_nontrivial, primitives_on_host_kernels, rel_rms, routed_saved_bytes, routed_saved_bytes_a6d6350,
                       routed_saved_ratio_goal, zero_filled_shapes)
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation, deepseek_v4
 from swiglu_cupy.tools.bench.moe import saved_activation_bytes
@@ -93,6 +95,44 @@ def assert_matches_reference(inputs, spec, transposed, dtype, **kw):
 def test_matches_fp64_reference(dtype, spec, transposed, bias):
     inputs = make(dtype=dtype, transposed=transposed, bias=bias)
     assert_matches_reference(inputs, SPECS[spec], transposed, dtype)
+
+
+@pytest.mark.parametrize("implementation", ["torch", "host_kernels"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("spec", [deepseek_v4(2.0), GPT_OSS], ids=str)
+def test_clamp_gradient_at_exactly_the_limit_follows_the_rule_in_force(spec, schedule, implementation, clamp_rule,
+                                                                        monkeypatch, host_launcher):
+    """Each expert's w12 copies x's columns into gate and up (a permutation
+    times 1), so x12 holds +-L exactly; with top-1 routing and unit weights
+    x.grad is dx12 itself. Under each torch's rule the gradient at the limit
+    is passed (2.13) or 0 (2.14), as the float64 reference imposes it."""
+    use_schedule(monkeypatch, schedule)
+    E, I, T = 2, 8, 6
+    L = spec.limit
+    row = torch.tensor([-L - 1, -L, -0.5, 0.0, 0.5, L, L + 1, 1.0], dtype=torch.float64)
+    x = torch.stack([row.roll(t) for t in range(T)]).repeat(1, 2).requires_grad_()  # [T, 2I]: gate = up = row
+    w12 = torch.eye(2 * I, dtype=torch.float64).expand(E, 2 * I, 2 * I)
+    if spec.interleaved:  # x12's columns as [g0, u0, g1, u1, ...]
+        w12 = w12[:, torch.arange(2 * I).view(2, I).t().reshape(-1)]
+    w12 = w12.clone().requires_grad_()
+    w3 = torch.randn(E, 2 * I, I, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    ids = (torch.arange(T) % E).view(T, 1)
+    weights = torch.ones(T, 1, dtype=torch.float64)
+    context = primitives_on_host_kernels(host_launcher) if implementation == "host_kernels" else nullcontext()
+    with context:
+        y = moe.routed_experts(x, ids, weights, w12, w3, activation=spec)
+        got = torch.autograd.grad(y.sum(), (x, w12, w3))
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w12, w3)]
+    y_ref = moe.experts_reference(leaves[0], ids, weights, leaves[1], leaves[2], activation=spec,
+                                  clamp_gradient_at_bound=clamp_rule)
+    torch.testing.assert_close(y, y_ref, rtol=1e-13, atol=1e-13)
+    for g, g_ref in zip(got, torch.autograd.grad(y_ref.sum(), leaves)):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-13)
+    gate, up = x.detach().chunk(2, 1)
+    at_limit = torch.cat([gate == L, up.abs() == L], 1)   # the gate is clamped from above only
+    beyond = torch.cat([gate > L, up.abs() > L], 1)
+    assert ((got[0][at_limit] != 0).any() == clamp_rule) and ((got[0][at_limit] == 0).all() != clamp_rule)
+    assert (got[0][beyond] == 0).all() and (got[0][~beyond & ~at_limit] != 0).any()
 
 
 @pytest.mark.parametrize("D,I", [(64, 32), (63, 33)])

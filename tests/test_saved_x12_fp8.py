@@ -281,6 +281,27 @@ def test_clamp_masks_follow_the_saved_value_across_the_limit(implementation, lim
     assert dgate[0, 0] == 0 and dup[0, 0] == 0  # 4 is beyond the limit either way
 
 
+@pytest.mark.parametrize("implementation", ["torch", "host_kernels"])
+def test_saved_value_exactly_at_the_limit_follows_the_rule_in_force(implementation, clamp_rule, host_launcher):
+    """Each block's amax is 448, so scale = 1 and 2.0 is saved exactly: a gate
+    at +L and an up at -L read back at the limit, and their gradient is passed
+    (torch up to 2.13) or 0 (2.14 on), as the rule in force says."""
+    spec = deepseek_v4(2.0)
+    x12 = torch.cat([torch.tensor([[448.0, 2.0, 0.5]]), torch.tensor([[448.0, 0.5, -2.0]])], 1)
+    impl, launcher = ("torch", None) if implementation == "torch" else (None, host_launcher)
+    _, stored = run.run_swiglu_forward_fp8(x12, impl, launcher, spec)
+    back = saved_x12.dequantize_torch(stored, 3, spec)
+    assert back[0, 1].item() == 2.0 and back[0, 5].item() == -2.0
+    dx12, _ = run.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
+    dgate, dup = dx12.chunk(2, 1)
+    assert (dgate[0, 1] != 0) == clamp_rule and (dup[0, 2] != 0) == clamp_rule
+    assert dgate[0, 2] != 0 and dup[0, 1] != 0  # inside the limit: passed under both rules
+    gate, up = back.double().chunk(2, 1)
+    gate, up = gate.requires_grad_(), up.requires_grad_()
+    reference.glu_reference(gate, up, spec, clamp_gradient_at_bound=clamp_rule).sum().backward()
+    torch.testing.assert_close(dx12.double(), torch.cat([gate.grad, up.grad], 1), rtol=1e-6, atol=1e-6)
+
+
 # ---- the modes it combines with ----------------------------------------------------------------
 
 def _model_and_input(dtype=torch.float32, activation="silu"):

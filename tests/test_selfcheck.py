@@ -45,8 +45,9 @@ class Faulty(Passthrough):
 
     ``tail``   the last element (16-byte pack on the vector path) of every row
                is never written (an off-by-one bound),
-    ``clamp``  the clamp mask takes ``x < limit`` for ``x <= limit`` (the limit
-               argument one math ulp lower: a value exactly at the limit is cut),
+    ``clamp``  the clamp mask follows the other torch's rule at the limit
+               (``x < limit`` for ``x <= limit`` or the reverse: the gradient
+               bound argument moved one math ulp),
     ``swap``   gate and up read from each other's pointer (halves layout),
     ``waves``  rows past the first grid wave are skipped (a capped grid's
                row loop that never iterates).
@@ -69,8 +70,9 @@ class Faulty(Passthrough):
             step = 16 // torch.empty((), dtype=dtype).element_size() if "_vec_" in name else 1
             args[h_at] = np.int64(int(args[h_at]) - step)
         elif self.fault == "clamp":
-            limit = args[-3]
-            args[-3] = type(limit)(np.nextafter(limit, type(limit)(0)))
+            limit, grad_bound = args[-4], args[-1]
+            scalar = type(limit)
+            args[-1] = scalar(np.nextafter(limit, scalar(-np.inf))) if grad_bound == limit else limit
         elif self.fault == "swap":
             lds = (5, 6) if direction == "forward" else (8, 9)
             args[0], args[1] = args[1], args[0]

@@ -135,3 +135,36 @@ def test_dropout_and_norm_base_classes_cover_their_variants():
     # the private bases, not the public fallbacks, on the supported torch
     assert compat.DROPOUT_CLASSES is torch.nn.modules.dropout._DropoutNd
     assert compat.BATCH_NORM_CLASSES is torch.nn.modules.batchnorm._NormBase
+
+
+def test_clamp_rule_is_what_the_installed_torch_does_at_both_bounds():
+    """CLAMP_GRADIENT_AT_BOUND (found at import) against torch.clamp itself,
+    at the max and at the min, one- and two-sided: one rule for all four, or
+    the kernels' single gradient bound could not follow torch."""
+    at_bound = compat.CLAMP_GRADIENT_AT_BOUND
+    x = torch.tensor([-2.0, -1.0, 0.0, 1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    forms = {"max": lambda t: t.clamp(max=1.0), "min": lambda t: t.clamp(min=-1.0),
+             "both": lambda t: t.clamp(min=-1.0, max=1.0)}
+    for name, form in forms.items():
+        x.grad = None
+        form(x).sum().backward()
+        at = {"max": [3], "min": [1], "both": [1, 3]}[name]
+        assert x.grad[at].tolist() == [float(at_bound)] * len(at), (
+            f"torch {torch.__version__}: clamp({name}) at the bound gave {x.grad[at].tolist()}, "
+            f"CLAMP_GRADIENT_AT_BOUND says {at_bound}")
+        assert x.grad[2] == 1.0
+    version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    assert at_bound == (version < (2, 14)), "the rule changed in torch 2.14; a later change needs a look"
+
+
+def test_the_reference_with_the_installed_rule_is_torch_clamp():
+    from swiglu_cupy import GLUActivation, glu_reference
+
+    spec = GLUActivation("silu", limit=2.0)
+    values = torch.tensor([-3.0, -2.0, -1.0, 2.0, 3.0, float("nan")], dtype=torch.float64)
+    grads = []
+    for rule in (None, compat.CLAMP_GRADIENT_AT_BOUND):
+        gate, up = values.clone().requires_grad_(), values.flip(0).clone().requires_grad_()
+        glu_reference(gate, up, spec, clamp_gradient_at_bound=rule).nansum().backward()
+        grads.append((gate.grad, up.grad))
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0, equal_nan=True)

@@ -144,6 +144,22 @@ def _shape(m: nn.Module) -> tuple[int | None, int | None] | None:
     return None
 
 
+def _projection_shape(m: nn.Module) -> tuple[int | None, int | None] | None:
+    """``_shape`` of a projection named by its role, or of the one linear-like
+    child of a wrapper without parameters of its own (Gemma 4's
+    ``ClippableLinear``, timm's and Hugging Face's: optional clamps of its
+    input and output, as buffers, around an ``nn.Linear`` held as ``linear``).
+    Only the input width is taken from it: the wrapper is not an
+    ``nn.Linear``, so it runs as itself and only the activation is fused."""
+    shape = _shape(m)
+    if shape is not None:
+        return shape
+    children = list(m.children())
+    if len(children) == 1 and not any(True for _ in m.parameters(recurse=False)):
+        return _shape(children[0])
+    return None
+
+
 _PASSIVE = (nn.Identity, DROPOUT_CLASSES)  # isinstance takes nested tuples (the fallback is one)
 _NORMS = (nn.LayerNorm, nn.GroupNorm, BATCH_NORM_CLASSES) + \
     ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
@@ -200,7 +216,7 @@ def hf_candidates(module: nn.Module, extra_children_ok: bool = True) -> Candidat
     if reason is None and (any(True for _ in module.parameters(recurse=False))
                            or any(True for _ in module.buffers(recurse=False))):
         reason = "has parameters or buffers of its own, which the fused forward would not use"
-    shape = _shape(mods[roles[0]])
+    shape = _projection_shape(mods[roles[0]])
     in_features = shape[0] if shape else None
     if reason is not None:
         return Candidates([], in_features, True, reason)

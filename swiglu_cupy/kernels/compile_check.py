@@ -9,8 +9,10 @@ and the same expanded source and options the runtime loader uses.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,6 +58,42 @@ def _nvrtc():
     return nvrtc
 
 
+# ELF64 header fields that locate the program and section header tables.
+_ELF_TABLES = struct.Struct("<32xQQ6xHHHH")  # e_phoff, e_shoff, e_phentsize, e_phnum, e_shentsize, e_shnum
+
+
+def elf_declared_size(image: bytes) -> int:
+    """The bytes an ELF64 image must hold to contain the header tables it declares."""
+    phoff, shoff, phentsize, phnum, shentsize, shnum = _ELF_TABLES.unpack_from(image, 0)
+    return max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+
+
+def _nvrtc_library():
+    """NVRTC's shared library as CuPy loaded it (dlopen by soname finds the loaded copy)."""
+    for name in ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so", "nvrtc64_130_0.dll", "nvrtc64_120_0.dll"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
+
+
+def _whole_cubin(nvrtc, prog) -> bytes:
+    """The cubin of a compiled program, all of it. CuPy 14.2's ``getCUBIN``
+    returns one byte less than ``nvrtcGetCUBINSize`` reports (the last byte of
+    the ELF program-header table), which cuobjdump and nvdisasm reject as
+    invalid ELF; so the size and bytes come from NVRTC itself."""
+    lib = _nvrtc_library()
+    if lib is not None:
+        size = ctypes.c_size_t()
+        if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)) == 0:
+            buffer = ctypes.create_string_buffer(size.value)
+            if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buffer) == 0:
+                return buffer.raw
+    cubin = nvrtc.getCUBIN(prog)  # no handle on the library: complete the tables CuPy cut short
+    return cubin + bytes(max(0, elf_declared_size(cubin) - len(cubin)))
+
+
 def parse_ptxas_log(log: str) -> dict[str, tuple[int, int, int, int]]:
     """kernel -> (registers, stack, spill stores, spill loads) from -Xptxas=-v output."""
     result: dict[str, tuple[int, int, int, int]] = {}
@@ -98,7 +136,7 @@ def compile_module_with_ptx(dtype: torch.dtype, arch: str, variant: KernelVarian
             raise CompileError(f"kernels [{dtype}, {arch}, {variant}] failed: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)
-        cubin = nvrtc.getCUBIN(prog)
+        cubin = _whole_cubin(nvrtc, prog)
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)

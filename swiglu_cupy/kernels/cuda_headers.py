@@ -36,3 +36,15 @@ def missing_header_hint(header: str) -> str:
     return (f"{header} was not found in any pip-installed nvidia wheel; "
             "install nvidia-cuda-runtime (headers), nvidia-cuda-crt and nvidia-cuda-cccl, "
             "e.g. pip install 'swiglu-cupy[cuda13,test]'")
+
+
+def cuda_tool(name: str) -> Path | None:
+    """A CUDA binary utility (``cuobjdump``, ``nvdisasm``) from the nvidia-*
+    wheels (``nvidia/cu13/bin``; ``nvidia-cuda-cuobjdump``,
+    ``nvidia-cuda-nvdisasm``), else None: the machine-code checks need no
+    system toolkit either."""
+    for root in _nvidia_roots():
+        for candidate in sorted(root.glob(f"*/bin/{name}")):
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return candidate
+    return None

@@ -10,7 +10,8 @@ interleaved x12 (``activation.interleaved``) has its own entry points
 (``_launch_pairs_*``), which read gate/up pairs from x12 with 16-byte loads.
 
 The GLU variant (``activation``, a ``GLUActivation``) picks the compiled
-instance; its limit, alpha and up_offset are kernel arguments in the math
+instance; its limit, alpha and up_offset, and the clamps' gradient bound (the
+installed torch's rule at the limit), are kernel arguments in the math
 dtype (numpy float32, or float64 for float64 storage: never a Python float,
 which CuPy would pass as a C double).
 
@@ -27,6 +28,7 @@ import torch
 
 from ..kernels.launch import cupy_launcher, device_index, i64, pointer
 from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
+from .._torch_compat import clamp_gradient_at_bound
 from .._validation import check_fp8_compute_dtype
 from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
@@ -109,16 +111,21 @@ def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: tor
 
 
 @functools.lru_cache(maxsize=256)
-def _scalar_args(activation: GLUActivation, double: bool) -> tuple:
-    """(limit, alpha, up_offset) in the kernels' math dtype (the limit is
-    read only by clamped instances, alpha and up_offset only by OAI's)."""
+def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: bool) -> tuple:
+    """(limit, alpha, up_offset, grad_bound) in the kernels' math dtype (the
+    limit and grad_bound are read only by clamped instances, alpha and
+    up_offset only by OAI's). The clamps' gradient passes where
+    |x| <= grad_bound: the limit itself where torch's clamp passes the
+    gradient at exactly the bound, else the next value below it (x < L is
+    x <= nextafter(L, -inf) in the math dtype)."""
     scalar = np.float64 if double else np.float32
-    limit = 0.0 if activation.limit is None else activation.limit
-    return scalar(limit), scalar(activation.alpha), scalar(activation.up_offset)
+    limit = scalar(0.0 if activation.limit is None else activation.limit)
+    grad_bound = limit if gradient_at_bound else np.nextafter(limit, scalar(-np.inf))
+    return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
 def _variant_args(activation: GLUActivation, dtype: torch.dtype) -> tuple:
-    return _scalar_args(activation, dtype is torch.float64)
+    return _scalar_args(activation, dtype is torch.float64, clamp_gradient_at_bound())
 
 
 def _launch_forward_kernel(gate, up, h, launcher, config, activation) -> None:

@@ -29,7 +29,8 @@ Comparison (``compare``): ``|kernel - torch| <= 2 ulp(storage) * |torch| +
 output multiplies; the bound the host-execution tests hold), the same
 non-finite elements, and for clamped variants the clamp masks exactly: where
 the raw gate is above (or the raw up outside) ``-limit..limit`` the gradient
-is exactly 0 in both, and where it sits at the limit both pass it.
+is exactly 0 in both, and where it sits at the limit both follow the
+installed torch's rule (passed up to 2.13, cut from 2.14 on).
 
 Where the probe must not run: inside CUDA graph capture of the current
 stream (a probe would be captured) the first use raises ``SelfCheckError``

@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .._torch_compat import silu_into
+from .._torch_compat import clamp_gradient_at_bound, silu_into
 from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
 from ..activations import SILU, GLUActivation
 
@@ -245,11 +245,11 @@ def _act(g: torch.Tensor, spec: GLUActivation, want_grad: bool):
         s = torch.sigmoid(g * spec.alpha if kind == "oai" else g)
         a = g * s
         da = s * (1 + (g * spec.alpha if kind == "oai" else g) * (1 - s)) if want_grad else None
-    elif kind == "gelu_tanh":
-        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        t = torch.tanh(inner)
-        a = 0.5 * g * (1 + t)
-        da = (0.5 * (1 + t) + 0.5 * g * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g)
+    elif kind == "gelu_tanh":  # 0.5 (1 + tanh y) = sigmoid(2 y), as the kernels: 1 + tanh(y) cancels for g << 0
+        z = 2 * _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        s = torch.sigmoid(z)
+        a = g * s
+        da = (s + 2 * g * (s * torch.sigmoid(-z)) * (_SQRT_2_OVER_PI * (1 + 3 * 0.044715 * g * g))
               if want_grad else None)
     elif kind == "gelu":
         cdf = 0.5 * (1 + torch.erf(g * _INV_SQRT_2))
@@ -288,10 +288,10 @@ def _glu_backward_math(gate, up, dh, dgate_out, dup_out, h_out, want_h: bool, sp
     d = _widen(dh)
     a, da = _act(g, spec, True)
     dup, dgate = d * a, d * u * da
-    if spec.limit is not None:  # torch's clamp passes the gradient where min <= x <= max (0 for NaN)
-        raw_gate, raw_up = _widen(gate), _widen(up)
-        dgate = torch.where(raw_gate <= spec.limit, dgate, 0.0)
-        dup = torch.where((raw_up >= -spec.limit) & (raw_up <= spec.limit), dup, 0.0)
+    if spec.limit is not None:  # the clamps pass the gradient where the installed torch's clamp does
+        inside = torch.le if clamp_gradient_at_bound() else torch.lt  # at the bound: 2.13 passes, 2.14 cuts
+        dgate = torch.where(inside(_widen(gate), spec.limit), dgate, 0.0)    # NaN: 0 under both rules
+        dup = torch.where(inside(_widen(up).abs(), spec.limit), dup, 0.0)
     h = a * u if want_h else None
     results = (_store(dgate, dtype, dgate_out), _store(dup, dtype, dup_out),
                None if h is None else _store(h, dtype, h_out))
