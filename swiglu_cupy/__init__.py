@@ -16,7 +16,7 @@ from .dense.functions import SiluMulFunction, SwiGLUFunction
 from .dense.module import SwiGLU
 from .integrations.patching import PatchReport, patch
 from .kernels.launch import cuda_kernels_available
-from .primitives.selfcheck import warmup
+from .primitives.first_use_check import warmup
 from .tools.info import info
 from .reference import glu_ffn_reference, glu_reference, silu_mul_reference, swiglu_reference
 

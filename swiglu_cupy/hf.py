@@ -1,6 +1,4 @@
-"""The public path of :mod:`swiglu_cupy.integrations.hf` (this name is that very module)."""
-import sys
-
-from .integrations import hf as _module
-
-sys.modules[__name__] = _module
+"""The public path of the Hugging Face integration: the public names
+(``__all__``) of :mod:`swiglu_cupy.integrations.hf`, re-exported."""
+from .integrations.hf import *  # noqa: F401,F403  (exactly its __all__)
+from .integrations.hf import __all__  # noqa: F401

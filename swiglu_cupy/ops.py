@@ -1,7 +1,5 @@
-"""The public path of :mod:`swiglu_cupy.primitives.ops` (this name is that very module):
-the registered ``torch.ops.swiglu_cupy.*`` ops and ``aten_decompositions()``."""
-import sys
-
-from .primitives import ops as _module
-
-sys.modules[__name__] = _module
+"""The public path of the registered ``torch.ops.swiglu_cupy.*`` ops and
+``aten_decompositions()``: the public names (``__all__``) of
+:mod:`swiglu_cupy.primitives.ops`, re-exported."""
+from .primitives.ops import *  # noqa: F401,F403  (exactly its __all__)
+from .primitives.ops import __all__  # noqa: F401

@@ -1,6 +1,4 @@
-"""The public path of :mod:`swiglu_cupy.integrations.xformers` (this name is that very module)."""
-import sys
-
-from .integrations import xformers as _module
-
-sys.modules[__name__] = _module
+"""The public path of the xformers integration: the public names
+(``__all__``) of :mod:`swiglu_cupy.integrations.xformers`, re-exported."""
+from .integrations.xformers import *  # noqa: F401,F403  (exactly its __all__)
+from .integrations.xformers import __all__  # noqa: F401

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 
-from swiglu_cupy.primitives.selfcheck import MATH_ULPS
+from swiglu_cupy.primitives.first_use_check import MATH_ULPS
 
 F32 = np.float32
 LOG2E = F32(1.4426950408889634)

@@ -4,8 +4,13 @@ chain of imports comes back to where it started.
 
     leaves (activations, reference, _validation, _torch_compat, ...)
       -> kernels -> primitives -> dense | moe -> integrations -> tools -> the package face
+
+Each layer holds only its own knowledge: private torch APIs only in the two
+compat modules, no other engine named below the integrations, and no module
+replacing itself in ``sys.modules`` (a public path re-exports its target).
 """
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -14,9 +19,9 @@ import swiglu_cupy
 
 PACKAGE = Path(swiglu_cupy.__file__).resolve().parent
 LEAVES = {"_version", "_dtypes", "activations", "reference", "_validation", "_torch_compat",
-          "_distributed_compat", "_autograd", "_tiling"}
+          "_distributed_compat", "_autograd", "_tile_size"}
 SUBPACKAGE_RANK = {"kernels": 1, "primitives": 2, "dense": 3, "moe": 3, "integrations": 4, "tools": 5}
-FACE_RANK = 6  # __init__, __main__, cli and the public-path aliases (hf, hf_experts, xformers, parallel, ops)
+FACE_RANK = 6  # __init__, __main__, subcommands, the public re-export paths (hf, hf_experts, xformers, parallel, ops)
 
 
 def _modules() -> dict[str, Path]:
@@ -164,3 +169,100 @@ def test_the_private_api_scan_is_not_vacuous():
     assert _private_torch_uses("from torch.utils._pytree import tree_leaves\n") == ["from torch.utils._pytree"]
     assert _private_torch_uses("from torch import nn\nok = nn.modules.dropout._DropoutNd\n")
     assert _private_torch_uses("import torch\ny = torch.nn.functional.silu\nz = t.__class__\n") == []
+
+
+# ---- no module replaces another in sys.modules ------------------------------------------
+
+_SYS_MODULES_MUTATORS = {"update", "setdefault", "__setitem__", "__delitem__", "pop", "popitem", "clear"}
+
+
+def _sys_modules_writes(source: str) -> list[str]:
+    """Each place ``source`` writes into ``sys.modules`` (an item assigned or
+    deleted, the name rebound, or a mutating method called), as ``line N``.
+    Reads (``sys.modules.get``, ``in sys.modules``) are fine."""
+    tree = ast.parse(source)
+    sys_names = {"sys"} | {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
+                           for a in n.names if a.name == "sys" and a.asname}
+    bare_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "sys"
+                  for a in n.names if a.name == "modules"}  # from sys import modules
+
+    def is_sys_modules(node) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr == "modules" and isinstance(node.value, ast.Name) and node.value.id in sys_names
+        return isinstance(node, ast.Name) and node.id in bare_names
+
+    def flat(targets):
+        for t in targets:
+            if isinstance(t, (ast.Tuple, ast.List)):
+                yield from flat(t.elts)
+            else:
+                yield t.value if isinstance(t, ast.Starred) else t
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            targets = []
+        if any(is_sys_modules(t.value if isinstance(t, ast.Subscript) else t) for t in flat(targets)):
+            found.append(f"line {node.lineno}")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _SYS_MODULES_MUTATORS and is_sys_modules(node.func.value)):
+            found.append(f"line {node.lineno}")
+    return found
+
+
+def test_no_module_writes_into_sys_modules():
+    """A public path is a plain module that re-exports its target's ``__all__``:
+    none replaces itself (or anything else) in ``sys.modules``."""
+    offenders = {f"swiglu_cupy/{p.relative_to(PACKAGE)}": lines for p in sorted(MODULES.values())
+                 if (lines := _sys_modules_writes(p.read_text()))}
+    assert not offenders, offenders
+
+
+def test_the_sys_modules_scan_is_not_vacuous():
+    assert _sys_modules_writes("import sys\nfrom .integrations import hf as _m\nsys.modules[__name__] = _m\n") \
+        == ["line 3"]
+    assert _sys_modules_writes("import sys as _s\n_s.modules.update(hf=None)\n") == ["line 2"]
+    assert _sys_modules_writes("from sys import modules\na, modules['x'] = 1, 2\ndel modules['x']\n") \
+        == ["line 2", "line 3"]
+    assert _sys_modules_writes("import sys\nm = sys.modules.get('x')\nok = 'deepspeed' in sys.modules\n"
+                               "y = sys.modules[__name__]\n") == []
+
+
+# ---- engine knowledge lives in the integrations -----------------------------------------
+
+# The non-torch training engines whose internals an integration reads (DeepSpeed
+# ZeRO-3, megatron-core, OLMo-core), in code, strings and comments alike.
+_ENGINE_NAMES = re.compile(r"deep[-_ ]?speed|megatron|olmo[-_ ]?core"
+                           r"|(?<![a-z0-9])zero[-_]?3(?![0-9])|(?<![a-z0-9])z3_", re.IGNORECASE)
+
+
+def _engine_mentions(source: str) -> list[str]:
+    """The lines of ``source`` that name a non-torch training engine, as ``N: text``."""
+    return [f"{n}: {line.strip()}" for n, line in enumerate(source.splitlines(), 1) if _ENGINE_NAMES.search(line)]
+
+
+def test_no_engine_knowledge_below_the_integrations():
+    """The leaves (``_distributed_compat`` holds torch's private APIs only),
+    kernels, primitives, dense and moe name no other engine: what the package
+    knows of DeepSpeed, megatron-core or OLMo-core is in that engine's
+    module under ``integrations/``."""
+    below = {name: path for name, path in MODULES.items() if _rank(name) < SUBPACKAGE_RANK["integrations"]}
+    assert LEAVES <= set(below) and "primitives.ops" in below and "moe.grouped" in below
+    offenders = {f"swiglu_cupy/{p.relative_to(PACKAGE)}": lines for _, p in sorted(below.items())
+                 if (lines := _engine_mentions(p.read_text()))}
+    assert not offenders, offenders
+
+
+def test_the_engine_scan_is_not_vacuous():
+    assert _engine_mentions("import torch\n# gathered by ZeRO-3's hooks\nx = 1\n") == [
+        "2: # gathered by ZeRO-3's hooks"]
+    assert len(_engine_mentions("import sys\nok = 'deepspeed' in sys.modules\n")) == 1
+    assert len(_engine_mentions("def zero3_param(t):\n    return hasattr(t, 'ds_id')\n")) == 1
+    assert len(_engine_mentions("def leaf(m):\n    return bool(m._z3_leaf)\n")) == 1
+    assert len(_engine_mentions("from megatron.core import mpu\n")) == 1
+    assert len(_engine_mentions("import olmo_core\n")) == 1
+    assert _engine_mentions("import torch\ny = torch.zeros(3)\nnonzero = 3\nz = torch.zeros_like(y)\n") == []

@@ -129,7 +129,7 @@ class _Counts:
     fallback, and the experts function (wrapping the functions it calls)."""
 
     def __init__(self, monkeypatch):
-        from swiglu_cupy.integrations import forward, hf_experts
+        from swiglu_cupy.integrations import hf_experts, plan_runner
 
         self.whole = self.activation = self.experts = 0
 
@@ -141,8 +141,8 @@ class _Counts:
                 return original(*args, **kwargs)
             monkeypatch.setattr(module, name, wrapper)
 
-        counting(forward, "_whole_mlp", "whole")
-        counting(forward, "glu_mul", "activation")
+        counting(plan_runner, "_whole_mlp", "whole")
+        counting(plan_runner, "glu_mul", "activation")
         counting(hf_experts, "route_and_combine", "experts")
 
     def snapshot(self) -> dict:
@@ -338,6 +338,7 @@ def test_patching_without_deepspeed_imports_nothing_of_it(tmp_path):
         assert list(report.fused) == [""] and mlp.fusion() == "mlp", report
         assert not report.engines and not hasattr(mlp, "_z3_leaf"), report
         assert "deepspeed" not in sys.modules and "swiglu_cupy._distributed_compat" not in sys.modules
+        assert "swiglu_cupy.integrations.deepspeed_zero3" not in sys.modules
         print("ok")
     """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 import rank_launcher
 from swiglu_cupy import _distributed_compat as compat
-from swiglu_cupy.parallel import MIN_TORCH
+from swiglu_cupy.integrations.parallel import MIN_TORCH
 
 # torch older than SwiGLUTensorParallel's floor cannot full_tensor() a 1-D _StridedShard.
 OLD_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < MIN_TORCH

@@ -202,7 +202,7 @@ def anchors(path: Path) -> set[str]:
 def cli_commands() -> set[str]:
     import argparse
 
-    from swiglu_cupy.cli import build_parser
+    from swiglu_cupy.subcommands import build_parser
 
     parser = build_parser()
     for action in parser._actions:  # argparse keeps subcommands only here

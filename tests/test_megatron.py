@@ -306,7 +306,7 @@ def test_grouped_mlp_is_named_with_its_reason():
 def test_compat_seam_exists():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from swiglu_cupy._distributed_compat import megatron_linear_impl
+    from swiglu_cupy.integrations.megatron import megatron_linear_impl
 
     assert megatron_linear_impl(ColumnParallelLinear) is not None
     assert megatron_linear_impl(RowParallelLinear) is not None

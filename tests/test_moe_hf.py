@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 moe_integration = pytest.importorskip("transformers.integrations.moe")
 
 import swiglu_cupy.hf_experts as hx  # noqa: E402
+import swiglu_cupy.integrations.hf_experts as hf_experts_module  # noqa: E402
 from conftest import (assert_nontrivial, routed_saved_bytes, routed_saved_bytes_a6d6350,  # noqa: E402
                       routed_saved_ratio_goal)
 from swiglu_cupy.activations import GPT_OSS, GLUActivation  # noqa: E402
@@ -256,7 +257,7 @@ def _experts_call(module, implementation, hidden, logits, ids, weights):
 def test_unknown_gate_or_ungated_expert_is_left_unfused_with_a_warning(cls):
     torch.manual_seed(0)
     module = cls(_config())
-    hx._WARNED.discard(cls)
+    hf_experts_module._WARNED.discard(cls)  # a private name: through the module that holds it
     with pytest.warns(UserWarning, match="stays unfused"):
         assert hx.patch_experts(nn.Sequential(module)) == 0
     assert hx.experts_plan(module).activation is None

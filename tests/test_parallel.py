@@ -33,8 +33,8 @@ import swiglu_cupy as sc
 from swiglu_cupy.activations import GPT_OSS
 from conftest import assert_nontrivial
 from swiglu_cupy.hf import patch_model
-from swiglu_cupy.parallel import (MIN_TORCH, SwiGLUTensorParallel, fsdp_shard_placement,
-                                  reject_distributed_weights)
+from swiglu_cupy.integrations.parallel import MIN_TORCH
+from swiglu_cupy.parallel import SwiGLUTensorParallel, fsdp_shard_placement, reject_distributed_weights
 
 D, H, O = 8, 6, 5          # H/tp = 3 rows of gate and 3 of up per rank (odd on purpose)
 BATCH, SEQ = 2, 4          # SEQ divisible by the TP size (sequence parallel)

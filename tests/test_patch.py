@@ -16,7 +16,7 @@ import swiglu_cupy.hf_experts as hx
 from conftest import assert_nontrivial, rel_rms
 from glu_zoo import (Dinov2SwiGLUFFN, RenamedGeGLU, SwappedGateLookAlike, TimmGluMlp, TimmSwiGLU,
                      TorchtitanFeedForward, timm_swiglu_packed)
-from swiglu_cupy.integrations import forward, recognition
+from swiglu_cupy.integrations import plan_runner, recognition
 from swiglu_cupy.hf import SwiGLUMLP, apply_to, patch_model, unapply
 from swiglu_cupy.xformers import patch_xformers
 
@@ -147,13 +147,13 @@ def test_packed_gate_up_proj_used_in_place(family, monkeypatch):
     assert patch_model(model, strict=True) == len(mlps)
     assert [m.gate_up_proj.weight for m in mlps] == weights
     seen = []
-    real = forward.swiglu
+    real = plan_runner.swiglu
 
     def spy(x, w12, *args, **kwargs):
         seen.append(w12)
         return real(x, w12, *args, **kwargs)
 
-    monkeypatch.setattr(forward, "swiglu", spy)
+    monkeypatch.setattr(plan_runner, "swiglu", spy)
     model(token_ids(), labels=token_ids()).loss.backward()
     assert len(seen) == len(mlps)
     for w12, w, ptr in zip(seen, weights, ptrs):

@@ -52,11 +52,14 @@ def test_public_module_paths_keep_their_names(public):
     import importlib
 
     where, names = PUBLIC_MODULES[public]
-    module = importlib.import_module(public)
-    assert module is importlib.import_module(where), f"{public} is not the very module {where}"
+    module, target = importlib.import_module(public), importlib.import_module(where)
     assert names <= set(dir(module)), names - set(dir(module))
     if hasattr(module, "__all__"):
         assert names <= set(module.__all__)
+    if module is not target:  # a public path that re-exports: exactly its target's __all__, the same objects
+        assert list(module.__all__) == list(target.__all__), f"{public} re-exports other names than {where}"
+        moved = [n for n in target.__all__ if getattr(module, n) is not getattr(target, n)]
+        assert not moved, f"{public} holds other objects than {where} under {moved}"
 
 
 def test_the_registered_op_names():
@@ -84,6 +87,19 @@ def test_hf_experts_import_registers_the_experts_implementation():
     from transformers.integrations.moe import ExpertsInterface
 
     assert hx.NAME in ExpertsInterface._global_mapping
+
+
+def test_the_console_script_names_a_callable_main():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    import importlib
+    from pathlib import Path
+
+    pyproject = Path(swiglu_cupy.__file__).resolve().parents[1] / "pyproject.toml"
+    if not pyproject.exists():
+        pytest.skip("an installed package without its pyproject.toml")
+    target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["swiglu-cupy"]
+    module, _, attr = target.partition(":")
+    assert callable(getattr(importlib.import_module(module), attr)), target
 
 
 def test_the_cli_lists_its_commands():

@@ -1,4 +1,4 @@
-"""The first-use self-check of each kernel module (``primitives.selfcheck``),
+"""The first-use self-check of each kernel module (``primitives.first_use_check``),
 with the host-executed kernels playing the GPU: a correct module passes once,
 each kind of wrong kernel is caught, warned about once and replaced by the
 torch implementation (whose results match float64), STRICT raises,
@@ -18,7 +18,8 @@ import swiglu_cupy as sc
 from swiglu_cupy import primitives, reference
 from swiglu_cupy.activations import GPT_OSS, GLUActivation, deepseek_v4
 from swiglu_cupy.kernels.sources import kernel_variant
-from swiglu_cupy.primitives import cuda_impl, run, saved_x12, selfcheck
+from swiglu_cupy.primitives import cuda_impl, run, saved_x12
+from swiglu_cupy.primitives import first_use_check as selfcheck
 from swiglu_cupy.tools import info as info_tool
 from conftest import glu_error_bounds, primitives_on_host_kernels
 

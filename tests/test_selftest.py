@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from swiglu_cupy.tools import selftest
-from swiglu_cupy.tools.selftest import Step, _tee, choose_sweep, format_estimate, format_summary, sweep_estimates
+from swiglu_cupy.tools import gpu_selftest
+from swiglu_cupy.tools.gpu_selftest import Step, _tee, choose_sweep, format_estimate, format_summary, sweep_estimates
 
 
 def test_without_cuda_exits_2_and_runs_nothing(tmp_path):
@@ -50,7 +50,7 @@ def test_sweep_estimates_and_choice():
 
 
 def test_estimate_lists_every_step_and_the_total():
-    assert selftest.tests_estimate(40) == pytest.approx(40 * selftest.ASSUMED_S_PER_GPU_TEST)
+    assert gpu_selftest.tests_estimate(40) == pytest.approx(40 * gpu_selftest.ASSUMED_S_PER_GPU_TEST)
     steps = [Step("GPU tests (pytest -m gpu)", [], 60.0, "a.log"), Step("bench --quick", [], 180.0, "b.log"),
              Step("bench --sweep-launch", [], 40.4, "c.log")]
     lines = format_estimate(steps, 480).splitlines()
@@ -95,7 +95,7 @@ def test_quick_facts_run_first_and_a_failed_self_check_fails_the_selftest(tmp_pa
     def fake_tee(cmd, cwd, log, limit_s):
         order.append(cmd[2] if cmd[2] != "swiglu_cupy" else " ".join(cmd[2:4]))
         if cmd[2] == "swiglu_cupy.tools.quick_facts":
-            out = selftest.Path(cmd[cmd.index("--out") + 1])
+            out = gpu_selftest.Path(cmd[cmd.index("--out") + 1])
             lines = ["self-checks: 30 passed, 1 failed, 0 skipped or not reached, of 31 modules",
                      "  FAILED glu_gelu [bfloat16, NVIDIA X (sm_90, cuda:0)]: failed, 24 launches, 3.0 ms; "
                      "glu_forward_gelu_vec_p1 h: worst |diff| 0.5 = 9e+03 x its bound"]
@@ -103,12 +103,12 @@ def test_quick_facts_run_first_and_a_failed_self_check_fails_the_selftest(tmp_pa
             return 1, False
         return 0, False
 
-    monkeypatch.setattr(selftest.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(selftest.torch.cuda, "get_device_name", lambda i=0: "NVIDIA X")
-    monkeypatch.setattr(selftest, "_tee", fake_tee)
-    monkeypatch.setattr(selftest, "count_gpu_tests", lambda root, tests: order.append("count") or 3)
-    monkeypatch.setattr(selftest, "sweep_estimates", lambda: {"full": 40.0, "quick": 10.0})
-    assert selftest.run(str(tmp_path / "out")) == 1
+    monkeypatch.setattr(gpu_selftest.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_selftest.torch.cuda, "get_device_name", lambda i=0: "NVIDIA X")
+    monkeypatch.setattr(gpu_selftest, "_tee", fake_tee)
+    monkeypatch.setattr(gpu_selftest, "count_gpu_tests", lambda root, tests: order.append("count") or 3)
+    monkeypatch.setattr(gpu_selftest, "sweep_estimates", lambda: {"full": 40.0, "quick": 10.0})
+    assert gpu_selftest.run(str(tmp_path / "out")) == 1
     assert order == ["swiglu_cupy.tools.quick_facts", "count", "pytest", "swiglu_cupy bench", "swiglu_cupy bench",
                      "swiglu_cupy bench"]
     text = (tmp_path / "out" / "selftest.txt").read_text().splitlines()
@@ -147,7 +147,7 @@ def test_quick_facts_order_deadline_and_exit_code(tmp_path, monkeypatch, capsys)
     failed check makes it exit 1 with the check's figures printed."""
     import json
 
-    from swiglu_cupy.primitives import selfcheck
+    from swiglu_cupy.primitives import first_use_check
     from swiglu_cupy.tools import quick_facts
 
     events = []
@@ -155,14 +155,14 @@ def test_quick_facts_order_deadline_and_exit_code(tmp_path, monkeypatch, capsys)
     def fake_check(launcher, spec, dtype, device):
         events.append(("check", str(spec), dtype))
         failed = spec.kind == "oai" and spec.limit is not None and spec.interleaved   # the last variant
-        return selfcheck.CheckResult(selfcheck.kernel_variant(spec), dtype, "GPU X", "failed" if failed else "passed",
-                                     "glu_forward_oai_clamp_pairs_vec_p1 h: worst |diff| 3 = 7 x its bound" if failed else "ok",
-                                     0.002, 24, 1)
+        return first_use_check.CheckResult(
+            first_use_check.kernel_variant(spec), dtype, "GPU X", "failed" if failed else "passed",
+            "glu_forward_oai_clamp_pairs_vec_p1 h: worst |diff| 3 = 7 x its bound" if failed else "ok", 0.002, 24, 1)
 
     monkeypatch.setattr(quick_facts.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(quick_facts.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(selfcheck, "check_module", fake_check)
-    monkeypatch.setattr(selfcheck, "describe_device", lambda launcher, device: "GPU X")
+    monkeypatch.setattr(first_use_check, "check_module", fake_check)
+    monkeypatch.setattr(first_use_check, "describe_device", lambda launcher, device: "GPU X")
     monkeypatch.setattr(quick_facts, "time_llama", lambda device: events.append(("llama",)) or {
         "shape": {"M": 1, "D": 2, "H": 3, "dtype": "bfloat16"}, "fwd_bwd_ms": {"eager_hf": 2.0, "swiglu_cupy": 1.0},
         "peak_bytes": {"eager_hf": 2 * 2**20, "swiglu_cupy": 2**20}})

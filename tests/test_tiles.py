@@ -1,4 +1,4 @@
-"""Row tiles (dense/tiles.py, ``tile_rows=``): the whole feed-forward a tile
+"""Row tiles (dense/tiled_passes.py, ``tile_rows=``): the whole feed-forward a tile
 of rows at a time inside SwiGLUFunction. Parity with the untiled op and an
 fp64 reference, what is saved and allocated (exact, tools/live_bytes.py),
 and every mode the untiled op has: no_grad, checkpoint (both), autocast,
@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 import swiglu_cupy as sc
 from conftest import UNIT_ROUNDOFF, assert_compiled_matches_eager, assert_nontrivial, rel_rms
-from swiglu_cupy import _tiling as tiles
+from swiglu_cupy import _tile_size as tile_size
 from swiglu_cupy.tools.live_bytes import LiveBytes
 
 D, H, O = 24, 40, 16
@@ -94,15 +94,15 @@ def _forward_bound(x, weights, dtype):
 # ---- choosing the tile ----------------------------------------------------------------------
 
 def test_resolve_tile_rows():
-    assert tiles.resolve_tile_rows(None, 10**6, 14336, torch.bfloat16) == 0
-    assert tiles.resolve_tile_rows(64, 64, 8, torch.float32) == 0        # fits in one tile: untiled
-    assert tiles.resolve_tile_rows(64, 65, 8, torch.float32) == 64
+    assert tile_size.resolve_tile_rows(None, 10**6, 14336, torch.bfloat16) == 0
+    assert tile_size.resolve_tile_rows(64, 64, 8, torch.float32) == 0        # fits in one tile: untiled
+    assert tile_size.resolve_tile_rows(64, 65, 8, torch.float32) == 64
     # auto: the largest multiple of 256 rows whose [tile, 2H] workspace fits in 256 MiB
-    auto = tiles.resolve_tile_rows("auto", 10**6, 14336, torch.bfloat16)
-    assert auto == 4608 and auto * 2 * 14336 * 2 <= tiles.AUTO_TILE_BYTES < (auto + 256) * 2 * 14336 * 2
-    assert tiles.resolve_tile_rows("auto", 10**6, 1408, torch.float32) == 23808
-    assert tiles.resolve_tile_rows("auto", 10**7, 10**6, torch.float32) == 256   # never below 256 rows
-    assert tiles.resolve_tile_rows("auto", 4608, 14336, torch.bfloat16) == 0   # one tile: untiled
+    auto = tile_size.resolve_tile_rows("auto", 10**6, 14336, torch.bfloat16)
+    assert auto == 4608 and auto * 2 * 14336 * 2 <= tile_size.AUTO_TILE_BYTES < (auto + 256) * 2 * 14336 * 2
+    assert tile_size.resolve_tile_rows("auto", 10**6, 1408, torch.float32) == 23808
+    assert tile_size.resolve_tile_rows("auto", 10**7, 10**6, torch.float32) == 256   # never below 256 rows
+    assert tile_size.resolve_tile_rows("auto", 4608, 14336, torch.bfloat16) == 0   # one tile: untiled
 
 
 @pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), (True, TypeError), (2.5, TypeError),

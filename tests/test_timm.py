@@ -67,12 +67,12 @@ from timm.layers import GatedMlp, GluMlp, Mlp, SwiGLU, SwiGLUPacked  # noqa: E40
 from timm.models import _registry as timm_registry  # noqa: E402
 
 import swiglu_cupy as sc  # noqa: E402
-from swiglu_cupy.integrations import forward as fused_forward  # noqa: E402
+from swiglu_cupy.integrations import plan_runner as fused_forward  # noqa: E402
 from swiglu_cupy.integrations.fused import FusedGLUMLP  # noqa: E402
 
 RTOL = 1e-5
 BATCH = 2
-FUSED_OPS = ("swiglu", "swiglu_unpacked", "glu_mul")  # what integrations.forward calls
+FUSED_OPS = ("swiglu", "swiglu_unpacked", "glu_mul")  # what integrations.plan_runner calls
 
 # ---- the GLU MLP classes of timm ---------------------------------------------------------
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import swiglu_cupy as sc
-from swiglu_cupy.integrations import forward as fused_forward
+from swiglu_cupy.integrations import plan_runner as fused_forward
 from swiglu_cupy.integrations import patching as sc_patching
 from swiglu_cupy.integrations.fused import FusedGLUMLP
 

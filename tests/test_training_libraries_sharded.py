@@ -272,15 +272,15 @@ def _plain(report) -> dict:
 
 def _count_glu_mul(monkeypatch) -> list[int]:
     """Calls of the activation-only fused op (``act(gate) * up``): their rows."""
-    from swiglu_cupy.integrations import forward
+    from swiglu_cupy.integrations import plan_runner
 
-    calls, real = [], forward.glu_mul
+    calls, real = [], plan_runner.glu_mul
 
     def counting(gate, *args, **kwargs):
         calls.append(gate.shape[:-1].numel())
         return real(gate, *args, **kwargs)
 
-    monkeypatch.setattr(forward, "glu_mul", counting)
+    monkeypatch.setattr(plan_runner, "glu_mul", counting)
     return calls
 
 

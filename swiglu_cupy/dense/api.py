@@ -15,7 +15,7 @@ import torch
 
 from .. import _validation as check
 from .._autograd import graph_needed, under_autocast
-from .._tiling import resolve_tile_rows
+from .._tile_size import resolve_tile_rows
 from .._validation import Role
 from ..activations import resolve_activation, resolve_halves_activation
 from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass

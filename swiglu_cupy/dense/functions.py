@@ -29,7 +29,7 @@ from .._torch_compat import is_transformed
 from ..primitives import route
 from ..primitives.run import batch_first
 from . import gemm as _gemm
-from . import tiles as _tiles
+from . import tiled_passes
 
 __all__ = ["SwiGLUFunction", "SiluMulFunction"]
 
@@ -56,10 +56,10 @@ class SwiGLUFunction(LeanApplyFunction):
       columns; the second output is then that uint8 tensor), written by the
       forward's elementwise pass and read by the backward's; exclusive with
       the two modes above (the API refuses the combinations).
-    - ``tile_rows``: 0 (untiled), or rows per tile (``dense.tiles``, more rows
-      than one tile): the forward and the backward run tile by tile, nothing
-      of ``tokens x H`` elements exists, and only x (with fp8: the tiles'
-      8-bit x12) is saved; ``tile_grads_fp32`` accumulates the 16-bit
+    - ``tile_rows``: 0 (untiled), or rows per tile (``dense.tiled_passes``,
+      more rows than one tile): the forward and the backward run tile by
+      tile, nothing of ``tokens x H`` elements exists, and only x (with fp8:
+      the tiles' 8-bit x12) is saved; ``tile_grads_fp32`` accumulates the 16-bit
       weights' gradients across tiles in float32. The second output is then
       empty (or the 8-bit x12).
     - ``inference``: pass ``not torch.is_grad_enabled()`` (``swiglu`` does).
@@ -109,9 +109,9 @@ class SwiGLUFunction(LeanApplyFunction):
         ctx.backward_done = True
         if ctx.tile_rows:
             x, w1, b1, w2, b2, w3, saved = ctx.saved_tensors
-            grads = _tiles.tiled_backward(dy.reshape(-1, w3.shape[0]), x.reshape(-1, x.shape[-1]), w1, b1, w2, b2,
-                                          w3, saved, ctx.activation, ctx.tile_rows, ctx.needs_input_grad[:7],
-                                          ctx.tile_grads_fp32, x.shape)
+            grads = tiled_passes.tiled_backward(dy.reshape(-1, w3.shape[0]), x.reshape(-1, x.shape[-1]), w1, b1,
+                                                w2, b2, w3, saved, ctx.activation, ctx.tile_rows,
+                                                ctx.needs_input_grad[:7], ctx.tile_grads_fp32, x.shape)
             return (*grads,) + (None,) * 7
         if ctx.recompute_gate_up:
             x, w1, b1, w2, b2, w3 = ctx.saved_tensors
@@ -160,10 +160,10 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
     take the saving path. The API calls this directly under no_grad (no
     graph, so the Function has no job there)."""
     flat = x.dim() == 2
-    if tile_rows:  # rows per tile, more rows than one tile (dense.tiles)
-        return _tiles.tiled_forward(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, w3, b3,
-                                    activation, tile_rows, inference, is_functional, saved_x12_fp8,
-                                    None if flat else (*x.shape[:-1], w3.shape[0]))
+    if tile_rows:  # rows per tile, more rows than one tile (dense.tiled_passes)
+        return tiled_passes.tiled_forward(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, w3, b3,
+                                          activation, tile_rows, inference, is_functional, saved_x12_fp8,
+                                          None if flat else (*x.shape[:-1], w3.shape[0]))
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
     if inference:
         h = route.forward_inplace(x12, activation)

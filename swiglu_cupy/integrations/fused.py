@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..activations import GLUActivation
-from .forward import _zero3, fusion_of, run_plan
+from .plan_runner import _zero3, fusion_of, run_plan
 from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
 
@@ -160,13 +160,13 @@ def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, in
     module.swiglu_pending = None
     module.swiglu_family = family
     module.recompute_gate_up, module.inplace_backward = recompute_gate_up, inplace_backward
-    compat = _zero3()
-    if compat is not None:
+    ds = _zero3()
+    if ds is not None:
         # The fused forward reads its children's weights without calling them:
         # under ZeRO-3 its own hooks must gather them (set before
         # deepspeed.initialize, the children get no hooks at all). Harmless
         # without ZeRO-3: only ZeRO-3 reads the flag.
-        compat.mark_zero3_leaf(module)
+        ds.mark_zero3_leaf(module)
 
 
 def on_meta(module: nn.Module) -> bool:
@@ -177,8 +177,8 @@ def zero3_partitioned(module: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 holds some of ``module``'s parameters
     partitioned now (built under ``deepspeed.zero.Init``, or after
     ``deepspeed.initialize``, outside a forward): their data is empty."""
-    compat = _zero3()
-    return compat is not None and any(compat.zero3_partitioned(p) for p in module.parameters())
+    ds = _zero3()
+    return ds is not None and any(ds.zero3_partitioned(p) for p in module.parameters())
 
 
 def unmaterialised(module: nn.Module) -> bool:

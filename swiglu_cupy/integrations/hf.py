@@ -62,7 +62,7 @@ from .._validation import check_flags
 from ..activations import SILU
 from ..reference import glu_reference
 from . import hf_experts  # noqa: F401  (registers "swiglu_cupy" with transformers' ExpertsInterface)
-from .forward import linear_obstacle, run_plan
+from .plan_runner import linear_obstacle, run_plan
 from .fused import CLASS_FORMS, FusedGLUMLP, fused_class
 from .patching import walk
 from .recognition import ACTIVATION_ATTRS, KNOWN_ACTIVATIONS, GLUPlan, hf_candidates, rows_agree

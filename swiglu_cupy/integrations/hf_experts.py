@@ -46,7 +46,7 @@ from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..activations import GPT_OSS, GLUActivation
 from .._validation import check_expert_ids
 from ..moe.routing import route_and_combine
-from .forward import _zero3
+from .plan_runner import _zero3
 from .recognition import KNOWN_ACTIVATIONS, identify_activation, rows_agree
 from ..reference import glu_reference, split_gate_up
 
@@ -211,8 +211,8 @@ def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None, til
 def _full_shape(t: torch.Tensor) -> torch.Size:
     """``t``'s shape, also while DeepSpeed ZeRO-3 holds it partitioned (its
     data is empty then; the forward runs on the weights ZeRO-3 gathered)."""
-    compat = _zero3()
-    return t.shape if compat is None else compat.zero3_full_shape(t)
+    ds = _zero3()
+    return t.shape if ds is None else ds.zero3_full_shape(t)
 
 
 _WARNED: set = set()

@@ -70,7 +70,7 @@ from torch import nn
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.api import swiglu_unpacked
 from ..moe.grouped import grouped_experts_unpacked
-from .forward import is_dtensor, linear_obstacle, plain_linear
+from .plan_runner import is_dtensor, linear_obstacle, plain_linear
 from .fused import switched_base, switched_class
 
 __all__ = ["is_olmo_core_switchable", "patch_olmo_core_module", "olmo_core_skip_reason", "fused_olmo_core_class"]

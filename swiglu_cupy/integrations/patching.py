@@ -39,7 +39,7 @@ from torch import nn
 from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..dense.module import SwiGLU
-from .forward import _is_noop, _zero3, linear_obstacle, zero3_gathers
+from .plan_runner import _is_noop, _zero3, linear_obstacle, zero3_gathers
 from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, switched_base, unmaterialised,
                     zero3_partitioned)
 from .olmo_core import is_olmo_core_switchable, olmo_core_skip_reason, patch_olmo_core_module
@@ -129,8 +129,8 @@ _ZERO3_NOTE = " (DeepSpeed ZeRO-3: parameters gathered as a leaf module)"
 
 
 def _under_zero3(module: nn.Module) -> bool:
-    compat = _zero3()
-    return compat is not None and any(compat.zero3_param(p) for p in module.parameters())
+    ds = _zero3()
+    return ds is not None and any(ds.zero3_param(p) for p in module.parameters())
 
 
 def _record(report: PatchReport, path: str, module: nn.Module, note: str = "") -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from .._torch_compat import DROPOUT_CLASSES
 from .._dtypes import SUPPORTED_DTYPES
-from .forward import run_plan
+from .plan_runner import run_plan
 from .recognition import Candidates, GLUPlan, rows_agree
 
 __all__ = ["choose_plan"]

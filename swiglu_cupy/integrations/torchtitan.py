@@ -60,7 +60,7 @@ from .._validation import check_tile_rows
 from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts, grouped_experts_unpacked
-from .forward import is_dtensor, plain_linear
+from .plan_runner import is_dtensor, plain_linear
 from .fused import switched_class
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",

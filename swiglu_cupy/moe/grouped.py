@@ -53,9 +53,10 @@ where it runs: floating dtypes it takes, CUDA compute capability 8.0+, and
 row strides and base pointers 16-byte aligned (its CPU kernel refuses the
 rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
 plain GEMM, after one device-to-host copy of the offsets (as does a grouped
-path that failed its first-use self-check, ``moe/selfcheck.py``). The activation is
-one fused launch over all routed rows (``primitives.run.run_swiglu_forward``),
-whatever E is; the backward is one fused pass too.
+path that failed its first-use self-check, ``moe/grouped_path_check.py``).
+The activation is one fused launch over all routed rows
+(``primitives.run.run_swiglu_forward``), whatever E is; the backward is one
+fused pass too.
 
 Expert parallelism: rows past ``offsets[-1]`` may be an expert-parallel
 sentinel tail (ids of experts held by other ranks): the private entry
@@ -73,12 +74,12 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
-from .._tiling import HALF_DTYPES, resolve_tile_rows, tile_slices
+from .._tile_size import HALF_DTYPES, resolve_tile_rows, tile_slices
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
 from ..primitives import run
 from ..primitives.ops import spec_args
 from ..primitives.saved_x12 import saved_row_bytes
-from . import selfcheck
+from . import grouped_path_check
 from .tokens import TokenRows
 
 __all__ = ["grouped_experts", "grouped_experts_unpacked", "MoEExpertsFunction", "run_experts", "grouped_mm_runs"]
@@ -119,10 +120,10 @@ def grouped_mm_runs(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 def _grouped(x, w12, w3, w_up, activation: GLUActivation) -> bool:
     """grouped_mm for this call: where it runs and the grouped path passed its
-    first-use self-check (``moe.selfcheck``); else the per-expert loop."""
+    first-use self-check (``moe.grouped_path_check``); else the per-expert loop."""
     weights = (w12, w3) if w_up is None else (w12, w_up, w3)
-    return grouped_mm_runs(x, *weights) and selfcheck.grouped_path_trusted(x, activation, _forward_body,
-                                                                          _backward_body)
+    return grouped_mm_runs(x, *weights) and grouped_path_check.grouped_path_trusted(
+        x, activation, _forward_body, _backward_body)
 
 
 class _Groups:

@@ -9,7 +9,7 @@ import torch
 from .. import _validation as check
 from .._autograd import LeanApplyFunction
 from ..activations import GLUActivation, resolve_activation
-from .._tiling import resolve_tile_rows, tile_slices
+from .._tile_size import resolve_tile_rows, tile_slices
 from .grouped import compute_dtype, expert_width, run_experts
 from .tokens import TokenRows, index_dtype, sum_per_token
 

@@ -39,6 +39,10 @@ from ..activations import GLUActivation
 from . import run, saved_x12, torch_impl
 from .run import batch_first, gate_half, h_over_gate
 
+__all__ = ["aten_decompositions", "spec_args", "swiglu_forward_op", "swiglu_forward_inplace_op", "swiglu_backward_op",
+           "swiglu_backward_inplace_op", "silu_mul_forward_op", "silu_mul_backward_op", "swiglu_forward_fp8_op",
+           "swiglu_backward_fp8_op"]
+
 
 def spec_args(spec: GLUActivation) -> tuple:
     """The spec as the ops' trailing arguments."""

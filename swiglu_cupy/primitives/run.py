@@ -14,7 +14,7 @@ from ..kernels.launch import cuda_kernels_available
 from ..kernels.launch_config import forced_launcher
 from . import cuda_impl as kernels
 from . import saved_x12, torch_impl
-from .selfcheck import kernels_usable
+from .first_use_check import kernels_usable
 
 __all__ = ["run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward",
            "run_swiglu_forward_fp8", "run_swiglu_backward_fp8", "h_over_gate", "gate_half", "batch_first"]
@@ -37,7 +37,7 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
 def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, spec: GLUActivation):
     """The launcher to run the kernels with (None: the CuPy one), or False
     for the torch implementation: also when the module (variant, dtype,
-    device, launcher) failed its first-use self-check (``selfcheck``)."""
+    device, launcher) failed its first-use self-check (``first_use_check``)."""
     if implementation not in (None, "torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
     if implementation == "torch":

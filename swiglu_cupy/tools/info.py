@@ -12,7 +12,7 @@ from .._version import __version__
 from ..kernels.cuda_headers import cuda_include_dirs
 from ..kernels.launch import INSTALL_HINT, CudaUnavailableError, import_cupy, strict_mode
 from ..kernels.sources import kernel_dir
-from ..primitives import selfcheck
+from ..primitives import first_use_check
 
 
 def _cupy_cache_dir() -> Path:
@@ -57,9 +57,9 @@ def collect(check_default_modules: bool = False) -> dict:
     else:
         info["cuda_path"] = f"CUDA tensors fall back to the torch implementation. Fix: {INSTALL_HINT}"
     if check_default_modules and info["cuda_available"] and info["cupy"] is not None:
-        selfcheck.warmup("cuda:0")
-    info["self_check"] = "on" if selfcheck.enabled() else f"off ({selfcheck.ENV}=0)"
-    info["self_checks"] = selfcheck.format_results() or ["no kernel module loaded in this process yet"]
+        first_use_check.warmup("cuda:0")
+    info["self_check"] = "on" if first_use_check.enabled() else f"off ({first_use_check.ENV}=0)"
+    info["self_checks"] = first_use_check.format_results() or ["no kernel module loaded in this process yet"]
     return info
 
 

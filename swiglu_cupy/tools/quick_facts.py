@@ -33,7 +33,7 @@ def modules_to_check():
     """(spec, dtype) pairs in check order: SwiGLU bf16 first."""
     from ..activations import SILU
     from ..kernels.sources import VARIANTS
-    from ..primitives.selfcheck import probe_spec
+    from ..primitives.first_use_check import probe_spec
 
     pairs = [(SILU, torch.bfloat16)]
     pairs += [(probe_spec(v), torch.bfloat16) for v in VARIANTS[1:]]
@@ -101,7 +101,7 @@ def _check_dict(result) -> dict:
 
 
 def run(out: str, deadline_s: float = DEADLINE_S) -> int:
-    from ..primitives import selfcheck
+    from ..primitives import first_use_check
 
     if not torch.cuda.is_available():
         print("quick facts need a CUDA GPU", file=sys.stderr)
@@ -113,7 +113,7 @@ def run(out: str, deadline_s: float = DEADLINE_S) -> int:
     checks, llama = [], None
 
     def check(spec, dtype):
-        result = selfcheck.check_module(None, spec, dtype, device)
+        result = first_use_check.check_module(None, spec, dtype, device)
         checks.append(_check_dict(result))
         print(f"[{time.perf_counter() - start:5.1f} s] self-check {result.line()}", flush=True)
 
@@ -131,7 +131,7 @@ def run(out: str, deadline_s: float = DEADLINE_S) -> int:
             continue
         check(spec, dtype)
     lines, ok = summarize(checks, llama)
-    report = {"device": selfcheck.describe_device(None, device), "seconds": time.perf_counter() - start,
+    report = {"device": first_use_check.describe_device(None, device), "seconds": time.perf_counter() - start,
               "passed": ok, "self_checks": checks, "llama": llama, "summary": lines}
     (out_dir / "quick_facts.json").write_text(json.dumps(report, indent=2) + "\n")
     print("quick facts " + ("PASSED" if ok else "FAILED") + f" in {report['seconds']:.0f} s:\n  " + "\n  ".join(lines),

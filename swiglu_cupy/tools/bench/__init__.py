@@ -21,12 +21,12 @@ One module per job:
 - ``environment``: versions, device and commit recorded with the results;
 - ``report``: the text table and the PNG;
 - ``sweep``: ``--sweep-launch``, the launch-shape sweep of the kernels;
-- ``cli``: arguments, their resolution into shapes and settings, and ``run``.
+- ``bench_command``: arguments, their resolution into shapes and settings, and ``run``.
 
 A new measurement mode gets its own module beside ``measure``, reusing its
-``Clock``, ``stats`` and copy rate, and is wired in through ``cli``.
+``Clock``, ``stats`` and copy rate, and is wired in through ``bench_command``.
 """
-from .cli import add_arguments, resolve, run
+from .bench_command import add_arguments, resolve, run
 from .config import DTYPES, PRESETS, Settings, Shape
 from .contenders import CONTENDERS, LABELS, LOWER_BOUND
 from .measure import Clock, stats

@@ -20,20 +20,20 @@ __all__ = ["run_plan", "fusion_of", "linear_obstacle", "plain_linear", "is_dtens
 
 
 def _zero3():
-    """The DeepSpeed entries of the compat module, or None when deepspeed is not
-    loaded (then nothing can be ZeRO-3's, and nothing is imported)."""
+    """:mod:`.deepspeed_zero3`, or None when deepspeed is not loaded (then
+    nothing can be ZeRO-3's, and nothing is imported)."""
     if "deepspeed" not in sys.modules:
         return None
-    from .. import _distributed_compat
+    from . import deepspeed_zero3
 
-    return _distributed_compat
+    return deepspeed_zero3
 
 
 def zero3_gathers(module: nn.Module) -> bool:
     """Whether DeepSpeed ZeRO-3 gathers all of ``module``'s parameters (its
     children's included) in ``module``'s own hooks: it is a ZeRO-3 leaf."""
-    compat = _zero3()
-    return compat is not None and compat.zero3_leaf(module)
+    ds = _zero3()
+    return ds is not None and ds.zero3_leaf(module)
 
 
 def linear_obstacle(m: nn.Module, known_noop_forward=None, zero3_gathered: bool = False) -> str | None:
@@ -131,14 +131,14 @@ def adopt_zero3(module: nn.Module, plan: GLUPlan) -> bool:
     :func:`~swiglu_cupy.integrations.fused.install` could not): from its next
     call its own hooks gather the projections, and the whole MLP runs fused.
     This call's projections were not gathered: they run as themselves."""
-    compat = _zero3()
-    if compat is None or compat.zero3_leaf(module):
+    ds = _zero3()
+    if ds is None or ds.zero3_leaf(module):
         return False
     hooked = [m for m in _projections(module._modules, plan)
               if m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks]
-    if not hooked or not all(compat.zero3_hooks_only(m) for m in hooked):
+    if not hooked or not all(ds.zero3_hooks_only(m) for m in hooked):
         return False
-    compat.mark_zero3_leaf(module)
+    ds.mark_zero3_leaf(module)
     return True
 
 

@@ -1,6 +1,6 @@
-"""Command line: ``python -m swiglu_cupy compile [--arch sm_80 sm_90 ...]``,
-``python -m swiglu_cupy info``, ``python -m swiglu_cupy bench [...]`` and
-``python -m swiglu_cupy selftest --out DIR``."""
+"""The subcommands of ``python -m swiglu_cupy`` (and of the ``swiglu-cupy``
+console script): ``compile [--arch sm_80 sm_90 ...]``, ``info``,
+``bench [...]`` and ``selftest --out DIR``, each dispatched to its tool."""
 from __future__ import annotations
 
 import argparse
@@ -48,7 +48,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_selftest(args: argparse.Namespace) -> int:
-    from .tools.selftest import run
+    from .tools.gpu_selftest import run
 
     return run(args.out)
 

@@ -426,7 +426,7 @@ def warmup(device=None, dtypes=(torch.float16, torch.bfloat16, torch.float32), a
     differ only in limit, alpha or up_offset share one compiled variant), and
     run each module's self-check, now: e.g. before CUDA graph capture (no
     module may load, and no probe may run, during capture). Returns the
-    number of kernels ready (``selfcheck.results()`` has the checks)."""
+    number of kernels ready (``first_use_check.results()`` has the checks)."""
     count = launch.warmup(device, dtypes, activations)
     warm(torch.device("cuda" if device is None else device), dtypes, activations)
     return count

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .._tiling import HALF_DTYPES as _HALF, tile_slices
+from .._tile_size import HALF_DTYPES as _HALF, tile_slices
 from .._torch_compat import is_transformed
 from ..primitives import route
 from ..primitives.saved_x12 import saved_row_bytes

@@ -1,5 +1,5 @@
 """How many rows a tile holds (``tile_rows=``), for the dense op
-(``dense.tiles``) and the experts (``moe.grouped``) alike."""
+(``dense.tiled_passes``) and the experts (``moe.grouped``) alike."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
 """First-use self-check of the MoE op's grouped path (``grouped_mm`` GEMMs,
 the fused activation, the routing-weight combine), per (launcher, GLU
-variant, dtype, device), as ``primitives.selfcheck`` does for the kernel
+variant, dtype, device), as ``primitives.first_use_check`` does for the kernel
 modules: a small routed problem (4 experts, one empty, biases, routing
 weights, rows in the variant's layout) runs the op's forward and backward
 bodies and is compared with ``reference.experts_reference`` by float64
@@ -18,7 +18,7 @@ from ..activations import GLUActivation
 from ..kernels.launch import strict_mode
 from ..kernels.launch_config import forced_launcher
 from ..kernels.sources import kernel_variant
-from ..primitives import selfcheck
+from ..primitives import first_use_check
 from ..reference import experts_reference
 
 REL_RMS_BOUND = {torch.float16: 1e-2, torch.bfloat16: 4e-2, torch.float32: 1e-4, torch.float64: 1e-10}
@@ -37,31 +37,31 @@ def grouped_path_trusted(x: torch.Tensor, activation: GLUActivation, forward_bod
     key = (launcher, activation, x.dtype, x.device)
     verdict = _verdicts.get(key)
     if verdict is None:
-        if not selfcheck.enabled():
+        if not first_use_check.enabled():
             return True
-        decision = selfcheck.probe_decision(x.device)
+        decision = first_use_check.probe_decision(x.device)
         if decision == "defer":
             return True   # traced: the op's fake rule; checked at its first eager call
         module_key = ("moe", launcher, kernel_variant(activation), x.dtype, x.device)
-        if decision == "refuse" and module_key not in selfcheck._results:
-            raise selfcheck.SelfCheckError(
+        if decision == "refuse" and module_key not in first_use_check._results:
+            raise first_use_check.SelfCheckError(
                 f"swiglu-cupy: the MoE experts op ({x.dtype}, {x.device}) is first used inside CUDA graph "
                 "capture, before its self-check; run it once (or call swiglu_cupy.warmup) before capture.")
-        result = selfcheck.record(module_key, lambda: _check(launcher, activation, x.dtype, x.device,
+        result = first_use_check.record(module_key, lambda: _check(launcher, activation, x.dtype, x.device,
                                                              forward_body, backward_body))
         verdict = _verdicts[key] = result.status != "failed"
     if not verdict and strict_mode():
-        raise selfcheck.SelfCheckError(f"the MoE experts op failed its self-check ({x.dtype}, {x.device})")
+        raise first_use_check.SelfCheckError(f"the MoE experts op failed its self-check ({x.dtype}, {x.device})")
     return verdict
 
 
 def _check(launcher, spec, dtype, device, forward_body, backward_body):
     name = "moe_experts" + (f" ({spec})" if kernel_variant(spec).tag else "")
-    text = selfcheck.describe_device(launcher, device)
-    result = selfcheck.run_probe(kernel_variant(spec), dtype, text, device,
+    text = first_use_check.describe_device(launcher, device)
+    result = first_use_check.run_probe(kernel_variant(spec), dtype, text, device,
                                  lambda: _probe(spec, dtype, device, forward_body, backward_body), module=name)
     if result.status == "failed" and strict_mode():
-        raise selfcheck.SelfCheckError(result.line())
+        raise first_use_check.SelfCheckError(result.line())
     return result
 
 

@@ -156,7 +156,7 @@ def run(out: str, budget_s: float = BUDGET_S) -> int:
               f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}). Nothing was run.",
               file=sys.stderr)
         return 2
-    root = Path(__file__).resolve().parents[2]  # the checkout: swiglu_cupy/tools/selftest.py
+    root = Path(__file__).resolve().parents[2]  # the checkout: swiglu_cupy/tools/gpu_selftest.py
     tests = root / "tests"
     if not tests.is_dir():
         print(f"selftest runs the GPU tests from a source checkout, but {tests} does not exist "
