@@ -148,6 +148,12 @@ extern "C" __global__ void barrier_in_one_branch(float* out) {
     out[threadIdx.x] = 1.0f;
 }
 
+extern "C" __global__ void barriers_at_two_places(float* out) {
+    if (threadIdx.x < 16) __syncthreads();
+    else __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+
 extern "C" __global__ void shuffle_with_exited_lane(int* out) {
     if (threadIdx.x == 7) return;
     out[threadIdx.x] = __shfl_down_sync(0xffffffffu, (int)threadIdx.x, 1);
@@ -169,7 +175,7 @@ extern "C" __global__ void width_not_power_of_two(int* out) {
 }
 """
 KERNELS = ("block_sum", "warp_scan", "transpose", "transpose_dynamic", "votes", "shuffles", "typed_totals",
-           "read_unwritten_dynamic", "returns_before_barrier", "barrier_in_one_branch",
+           "read_unwritten_dynamic", "returns_before_barrier", "barrier_in_one_branch", "barriers_at_two_places",
            "shuffle_with_exited_lane", "shuffle_against_syncwarp", "mask_without_own_lane",
            "width_not_power_of_two")
 TILE_FLOATS = 16 * 17
@@ -339,7 +345,7 @@ import numpy as np
 from swiglu_cupy.kernels.host_exec import HostLibrary
 lib = HostLibrary(sys.argv[1], sys.argv[2].split(","), "fibers")
 errors = {}
-for kernel, threads in [("returns_before_barrier", 64), ("barrier_in_one_branch", 64),
+for kernel, threads in [("returns_before_barrier", 64), ("barrier_in_one_branch", 64), ("barriers_at_two_places", 64),
                         ("shuffle_with_exited_lane", 32), ("shuffle_against_syncwarp", 32),
                         ("mask_without_own_lane", 32), ("width_not_power_of_two", 32)]:
     try:
@@ -365,17 +371,32 @@ def misuse_errors(cooperative):
     return result["errors"]
 
 
+def _line(text):
+    """The line of ``text`` in COOPERATIVE_SOURCE (messages name the call's line)."""
+    return COOPERATIVE_SOURCE[:COOPERATIVE_SOURCE.index(text)].count("\n") + 1
+
+
+BARRIER_LINE = _line("__syncthreads();\n    out[threadIdx.x] = s[")
+FIRST_BRANCH_LINE, SECOND_BRANCH_LINE = _line("__syncthreads();\n    else"), _line("else __syncthreads")
+EXITED_SHUFFLE_LINE = _line("__shfl_down_sync(0xffffffffu, (int)threadIdx.x, 1)")
+
+
 @pytest.mark.parametrize("kernel,reason", [
-    ("returns_before_barrier", r"deadlock in block \(0,0,0\) of 64 threads; 63 threads wait at __syncthreads"
-                               r".*1 thread returned \(\(5,0,0\)\)"),
+    ("returns_before_barrier", r"deadlock in block \(0,0,0\) of 64 threads; 63 threads wait at __syncthreads on "
+                               rf"line {BARRIER_LINE}.*"
+                               r"1 thread returned \(\(5,0,0\)\)"),
     ("barrier_in_one_branch", r"deadlock .*16 threads wait at __syncthreads.*48 threads returned"),
-    ("shuffle_with_exited_lane", r"deadlock .*31 threads wait at __shfl_down_sync \(mask 0xffffffff, warp 0\)"
-                                 r".*1 thread returned \(\(7,0,0\)\)"),
-    ("shuffle_against_syncwarp", r"__syncwarp with mask 0xffffffff in lane 16 while lane 0 of warp 0 waits "
-                                 r"at __shfl_xor_sync"),
-    ("mask_without_own_lane", r"thread \(1,0,0\) .*__shfl_sync with mask 0x00000001, which leaves out the "
-                              r"calling lane 1"),
-    ("width_not_power_of_two", r"__shfl_xor_sync with width 12: not a power of two"),
+    ("barriers_at_two_places", rf"thread \(16,0,0\) .*__syncthreads on line {SECOND_BRANCH_LINE} while "
+                               rf"thread \(0,0,0\) waits at the one on line {FIRST_BRANCH_LINE} "
+                               r"\(a barrier in divergent code\)"),
+    ("shuffle_with_exited_lane", rf"deadlock .*31 threads wait at __shfl_down_sync on line "
+                                 rf"{EXITED_SHUFFLE_LINE} "
+                                 r"\(mask 0xffffffff, warp 0\).*1 thread returned \(\(7,0,0\)\)"),
+    ("shuffle_against_syncwarp", r"__syncwarp on line \d+ with mask 0xffffffff in lane 16 while lane 0 of warp 0 "
+                                 r"waits at __shfl_xor_sync on line \d+"),
+    ("mask_without_own_lane", r"thread \(1,0,0\) .*__shfl_sync on line \d+ with mask 0x00000001, which leaves "
+                              r"out the calling lane 1"),
+    ("width_not_power_of_two", r"__shfl_xor_sync on line \d+ with width 12: not a power of two"),
 ])
 def test_misuse_ends_with_an_error_naming_the_kernel(misuse_errors, kernel, reason):
     import re

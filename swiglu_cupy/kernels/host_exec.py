@@ -23,8 +23,10 @@ library and the executor's own tests use it), and
   a barrier or a warp collective; the scheduler resumes the others round
   robin, and when none can run while some still wait (a thread returned
   before a barrier, a lane left out of a shuffle) the launch stops with an
-  error naming the kernel, never a hang. Warps are threads 32 apart in the
-  block's linear order (x fastest), as on a GPU.
+  error naming the kernel and the waiting calls' source lines, never a hang;
+  so do threads waiting at two different ``__syncthreads`` calls (undefined
+  in CUDA) and masks or widths CUDA does not allow. Warps are 32 consecutive
+  threads of the block's linear order (x fastest), as on a GPU.
 
 ``mode="auto"`` (the default) picks fibers exactly when the source names a
 cooperative primitive, so kernels that never cooperate (all of kernels_cu
@@ -36,8 +38,10 @@ that their kernels need cooperation.
 Limits: one copy of each static ``__shared__`` variable per OS thread, kept
 from block to block (a GPU leaves it undefined at block start; dynamic shared
 memory is filled with 0xff bytes, NaN in every float type, at each block
-start); no atomics, no busy-waits on memory another thread of the block
-writes (a fiber is never preempted), 8-byte shuffle values at most.
+start); ``__activemask`` gives the warp's lanes that have not returned (the
+host cannot see a divergent branch); no atomics; no busy-waits on memory
+another thread of the block writes (a fiber is never preempted); shuffled
+values of 8 bytes at most; 256 KiB of stack per fiber.
 """
 from __future__ import annotations
 
@@ -153,6 +157,7 @@ struct WarpCall {            // one lane's part in a warp collective
     unsigned mask;
     long long arg;           // source lane, delta or lane mask
     int width;
+    int line;                // of the call, in the kernel source
     unsigned long long value, result;
 };
 
@@ -214,7 +219,8 @@ struct Executor {
 #endif
     unsigned done = 0, next_unstarted = 0;   // of the block's threads
     unsigned barrier_arrived = 0, barrier_true = 0;
-    int barrier_result = 0;
+    int barrier_result = 0, barrier_line = 0;  // line: of the open barrier's first arrival
+    const Fiber* barrier_first = nullptr;
     bool faulted = false;
     std::string message;
     Invoke invoke = nullptr;
@@ -315,10 +321,18 @@ inline std::string thread_name(const Fiber& f) {
     __builtin_unreachable();
 }
 
-// __syncthreads and its reductions: every thread of the block must arrive.
-inline int block_barrier(int predicate) {
+// __syncthreads and its reductions: every thread of the block must arrive,
+// at the same call (CUDA leaves barriers in divergent code undefined).
+inline int block_barrier(int predicate, int line) {
     Executor& ex = executor;
     Fiber& me = *ex.current;
+    if (ex.barrier_arrived == 0) {
+        ex.barrier_line = line;
+        ex.barrier_first = &me;
+    } else if (line != ex.barrier_line) {
+        fault("__syncthreads on line " + std::to_string(line) + " while thread " + thread_name(*ex.barrier_first) +
+              " waits at the one on line " + std::to_string(ex.barrier_line) + " (a barrier in divergent code)");
+    }
     ex.barrier_true += predicate != 0;
     if (++ex.barrier_arrived < ex.count) {
         me.wait = Wait::Barrier;
@@ -371,17 +385,19 @@ inline const char* hex_mask(char* s, unsigned mask) {
 // the same intrinsic with the same mask, then the last arrival computes every
 // lane's result at once (no slot is reused before all have read).
 inline unsigned long long warp_collective(WarpKind kind, const char* name, unsigned mask, long long arg,
-                                          int width, unsigned long long value) {
+                                          int width, unsigned long long value, int line) {
     Executor& ex = executor;
     Fiber& me = *ex.current;
     const unsigned lane = me.linear % kWarp, warp = me.linear / kWarp;
     char a[16], b[16];
     if (!(mask >> lane & 1u))
-        fault(std::string(name) + " with mask " + hex_mask(a, mask) + ", which leaves out the calling lane " +
+        fault(std::string(name) + " on line " + std::to_string(line) + " with mask " + hex_mask(a, mask) +
+              ", which leaves out the calling lane " +
               std::to_string(lane));
     if (width < 1 || width > static_cast<int>(kWarp) || (width & (width - 1)))
-        fault(std::string(name) + " with width " + std::to_string(width) + ": not a power of two up to 32");
-    me.call = WarpCall{kind, name, mask, arg, width, value, 0};
+        fault(std::string(name) + " on line " + std::to_string(line) + " with width " + std::to_string(width) +
+              ": not a power of two up to 32");
+    me.call = WarpCall{kind, name, mask, arg, width, line, value, 0};
     me.wait = Wait::Warp;
     Fiber* lanes = &ex.fibers[warp * kWarp];
     const unsigned group = mask & lanes_present(warp);
@@ -392,9 +408,10 @@ inline unsigned long long warp_collective(WarpKind kind, const char* name, unsig
         if (other.wait != Wait::Warp) { all_here = false; continue; }
         const WarpCall& oc = other.call;
         if ((oc.kind != kind || oc.mask != mask) && (oc.mask >> lane & 1u))  // each waits for the other
-            fault(std::string(name) + " with mask " + hex_mask(a, mask) + " in lane " + std::to_string(lane) +
-                  " while lane " + std::to_string(j) + " of warp " + std::to_string(warp) + " waits at " +
-                  oc.name + " with mask " + hex_mask(b, oc.mask));
+            fault(std::string(name) + " on line " + std::to_string(line) + " with mask " + hex_mask(a, mask) +
+                  " in lane " + std::to_string(lane) + " while lane " + std::to_string(j) + " of warp " +
+                  std::to_string(warp) + " waits at " + oc.name + " on line " + std::to_string(oc.line) +
+                  " with mask " + hex_mask(b, oc.mask));
     }
     if (!all_here) {
         park(me);
@@ -453,7 +470,8 @@ inline std::string deadlock_message() {
         if (f.wait == Wait::Done) returned.push_back(&f);
         if (f.wait == Wait::Warp) {
             char m[16];
-            std::string where = std::string("wait at ") + f.call.name + " (mask " + hex_mask(m, f.call.mask) +
+            std::string where = std::string("wait at ") + f.call.name + " on line " + std::to_string(f.call.line) +
+                                " (mask " + hex_mask(m, f.call.mask) +
                                 ", warp " + std::to_string(f.linear / kWarp) + ")";
             bool found = false;
             for (auto& w : warp_waits)
@@ -463,7 +481,7 @@ inline std::string deadlock_message() {
     }
     std::string out = "deadlock in block (" + std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," +
                       std::to_string(blockIdx.z) + ") of " + std::to_string(ex.count) + " threads";
-    describe_group(out, "wait at __syncthreads", barrier);
+    describe_group(out, ("wait at __syncthreads on line " + std::to_string(ex.barrier_line)).c_str(), barrier);
     for (auto& w : warp_waits) describe_group(out, w.first.c_str(), w.second);
     describe_group(out, "returned", returned);
     return out;
@@ -544,46 +562,47 @@ inline int run_grid(Invoke invoke, AnyKernel kernel, const unsigned* g, const un
 
 }  // namespace swiglu_host
 
-inline void __syncthreads() { swiglu_host::block_barrier(0); }
-inline int __syncthreads_count(int p) { return swiglu_host::block_barrier(p); }
-inline int __syncthreads_and(int p) {
-    return swiglu_host::block_barrier(p) == static_cast<int>(swiglu_host::executor.count);
+// Each takes its call's line (a default argument) for the error messages.
+inline void __syncthreads(int line = __builtin_LINE()) { swiglu_host::block_barrier(0, line); }
+inline int __syncthreads_count(int p, int line = __builtin_LINE()) { return swiglu_host::block_barrier(p, line); }
+inline int __syncthreads_and(int p, int line = __builtin_LINE()) {
+    return swiglu_host::block_barrier(p, line) == static_cast<int>(swiglu_host::executor.count);
 }
-inline int __syncthreads_or(int p) { return swiglu_host::block_barrier(p) != 0; }
-inline void __syncwarp(unsigned mask = 0xffffffffu) {
-    swiglu_host::warp_collective(swiglu_host::WarpKind::Sync, "__syncwarp", mask, 0, 32, 0);
-}
-template <typename T>
-inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = warpSize) {
-    return swiglu_host::from_bits<T>(swiglu_host::warp_collective(
-        swiglu_host::WarpKind::Shfl, "__shfl_sync", mask, srcLane, width, swiglu_host::to_bits(var)), var);
+inline int __syncthreads_or(int p, int line = __builtin_LINE()) { return swiglu_host::block_barrier(p, line) != 0; }
+inline void __syncwarp(unsigned mask = 0xffffffffu, int line = __builtin_LINE()) {
+    swiglu_host::warp_collective(swiglu_host::WarpKind::Sync, "__syncwarp", mask, 0, 32, 0, line);
 }
 template <typename T>
-inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+inline T __shfl_sync(unsigned mask, T var, int srcLane, int width = warpSize, int line = __builtin_LINE()) {
     return swiglu_host::from_bits<T>(swiglu_host::warp_collective(
-        swiglu_host::WarpKind::ShflUp, "__shfl_up_sync", mask, delta, width, swiglu_host::to_bits(var)), var);
+        swiglu_host::WarpKind::Shfl, "__shfl_sync", mask, srcLane, width, swiglu_host::to_bits(var), line), var);
 }
 template <typename T>
-inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize) {
+inline T __shfl_up_sync(unsigned mask, T var, unsigned delta, int width = warpSize, int line = __builtin_LINE()) {
     return swiglu_host::from_bits<T>(swiglu_host::warp_collective(
-        swiglu_host::WarpKind::ShflDown, "__shfl_down_sync", mask, delta, width, swiglu_host::to_bits(var)), var);
+        swiglu_host::WarpKind::ShflUp, "__shfl_up_sync", mask, delta, width, swiglu_host::to_bits(var), line), var);
 }
 template <typename T>
-inline T __shfl_xor_sync(unsigned mask, T var, int laneMask, int width = warpSize) {
+inline T __shfl_down_sync(unsigned mask, T var, unsigned delta, int width = warpSize, int line = __builtin_LINE()) {
     return swiglu_host::from_bits<T>(swiglu_host::warp_collective(
-        swiglu_host::WarpKind::ShflXor, "__shfl_xor_sync", mask, laneMask, width, swiglu_host::to_bits(var)), var);
+        swiglu_host::WarpKind::ShflDown, "__shfl_down_sync", mask, delta, width, swiglu_host::to_bits(var), line), var);
 }
-inline int __all_sync(unsigned mask, int predicate) {
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T var, int laneMask, int width = warpSize, int line = __builtin_LINE()) {
+    return swiglu_host::from_bits<T>(swiglu_host::warp_collective(
+        swiglu_host::WarpKind::ShflXor, "__shfl_xor_sync", mask, laneMask, width, swiglu_host::to_bits(var), line), var);
+}
+inline int __all_sync(unsigned mask, int predicate, int line = __builtin_LINE()) {
     return static_cast<int>(swiglu_host::warp_collective(swiglu_host::WarpKind::All, "__all_sync", mask, 0, 32,
-                                                         predicate != 0));
+                                                         predicate != 0, line));
 }
-inline int __any_sync(unsigned mask, int predicate) {
+inline int __any_sync(unsigned mask, int predicate, int line = __builtin_LINE()) {
     return static_cast<int>(swiglu_host::warp_collective(swiglu_host::WarpKind::Any, "__any_sync", mask, 0, 32,
-                                                         predicate != 0));
+                                                         predicate != 0, line));
 }
-inline unsigned __ballot_sync(unsigned mask, int predicate) {
+inline unsigned __ballot_sync(unsigned mask, int predicate, int line = __builtin_LINE()) {
     return static_cast<unsigned>(swiglu_host::warp_collective(swiglu_host::WarpKind::Ballot, "__ballot_sync",
-                                                              mask, 0, 32, predicate != 0));
+                                                              mask, 0, 32, predicate != 0, line));
 }
 inline unsigned __activemask() { return swiglu_host::active_lanes(); }
 #define __shared__ static thread_local
