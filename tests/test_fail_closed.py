@@ -174,3 +174,31 @@ def test_switched_on_meta_is_proved_at_the_first_forward(kind, monkeypatch):
     with pytest.warns(RuntimeWarning, match="probe mismatch"):
         got = meta(*args)
     assert torch.equal(got, original(meta, *args) * 2.0)
+
+
+@pytest.mark.parametrize("way", ["forward", "activation"])
+def test_torchtitan_feed_forward_changed_upstream_is_refused(way, monkeypatch):
+    """torchtitan's dense ``FeedForward`` (w1/w3/w2) is found by structure and
+    probed by the walk (not class-switched): a changed forward, or a changed
+    ``F.silu`` in its module (here 1.5 * silu: no known activation), is
+    refused, and its own math runs."""
+    pytest.importorskip("torchtitan", exc_type=ImportError)
+    import torchtitan.models.common.feed_forward as upstream
+    from test_torchtitan import build
+
+    module = build("llama3").layers["0"].feed_forward
+    assert type(module) is upstream.FeedForward
+    if way == "forward":
+        original = upstream.FeedForward.forward
+        monkeypatch.setattr(upstream.FeedForward, "forward", lambda self, x: 2.0 * original(self, x))
+    else:
+        changed = _SiluChanged(upstream.F)
+        changed.silu = lambda x, inplace=False: 1.5 * torch.nn.functional.silu(x)
+        monkeypatch.setattr(upstream, "F", changed)
+    model = nn.ModuleDict({"ffn": module})
+    x = torch.randn(5, module.w1.weight.shape[1], generator=torch.Generator().manual_seed(3))
+    want = module(x)
+    report = sc.patch(model)
+    assert "ffn" not in report.fused and report.skipped["ffn"].startswith("probe mismatch"), str(report)
+    assert type(module) is upstream.FeedForward
+    assert torch.equal(module(x), want)
