@@ -202,3 +202,14 @@ def test_torchtitan_feed_forward_changed_upstream_is_refused(way, monkeypatch):
     assert "ffn" not in report.fused and report.skipped["ffn"].startswith("probe mismatch"), str(report)
     assert type(module) is upstream.FeedForward
     assert torch.equal(module(x), want)
+
+
+def test_proved_switch_stays_proved_when_patched_again_on_meta():
+    """A module proved by patch() stays proved when patch() meets it again
+    with weights it cannot compute with (sharded after the first patch)."""
+    module, cls = _build("moe_mlp")
+    model = nn.ModuleDict({"ffn": module})
+    assert "ffn" in sc.patch(model).fused
+    module.to("meta")
+    again = sc.patch(model)
+    assert again.fused["ffn"].endswith("(already fused)") and module._swiglu_cupy_proof is None, str(again)

@@ -162,6 +162,8 @@ def check_switch(module: nn.Module) -> tuple[str | None, bool]:
     module is switched back to its own class (or, where its class is not the
     switched class itself, its forward runs its own from now on)."""
     if _not_computable(module):
+        if "_swiglu_cupy_proof" in module.__dict__ and module.__dict__["_swiglu_cupy_proof"] is None:
+            return None, False  # proved by an earlier patch(), now sharded: stays proved
         module._swiglu_cupy_proof = PENDING
         return None, True
     reason = prove_switch(module)
