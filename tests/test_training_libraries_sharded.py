@@ -365,7 +365,14 @@ def _check_fusion(rank: int, entry: str, when: str, patched: dict) -> None:
         assert sorted(report["fused"]) == sorted(paths) and not report["skipped"], f"rank {rank}\n{report['text']}"
         assert sorted(again["already"]) == sorted(paths), again["text"]
         op, rows = ("grouped_experts_unpacked", ROWS * TOP_K) if entry == "apply_fsdp_moe" else ("swiglu_unpacked", ROWS)
-        assert patched["switched"] == {"grouped_experts_unpacked": [], "swiglu_unpacked": [], op: [rows] * len(calls)}
+        want = [rows] * len(calls)
+        if when == "after":
+            # Patched on FSDP2's sharded (DTensor) weights: each switch is proved against OLMo-core's own
+            # forward at its first forward, on the probe input (integrations.switch_proof), which runs the op
+            # once more there: 10 rows for the 4 experts' (3, 0, 5, 2), 6 for nGPT's feed-forward.
+            probe = 10 if entry == "apply_fsdp_moe" else 6
+            want = [probe, rows] * N_LAYERS + [rows] * (len(calls) - N_LAYERS)
+        assert patched["switched"] == {"grouped_experts_unpacked": [], "swiglu_unpacked": [], op: want}
         assert patched["whole"] == patched["activation"] == [], f"rank {rank}"
         return
     hooked = entry in ("apply_tp", "fabric_fsdp2_litgpt_fn")  # hooks on every projection

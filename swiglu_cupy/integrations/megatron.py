@@ -20,9 +20,13 @@ rank's own shards:
   the output rows are scaled (a per-row scale commutes with fc2 and with the
   reduction) and a bias is added scaled, as megatron does.
 
-Decided from the class and the config, as for torchtitan (the forward is
-megatron's own, reproduced): no probe (a probe under TP would run collectives).
-What is refused, with the reason in the report: Transformer Engine linears or
+Decided from the class, the installed version and the config: no probe (a
+probe under TP would run collectives, and megatron's CUDA-only paths cannot
+run here). Only what was proven equal is fused: the megatron-core versions in
+:data:`MEGATRON_VERSIONS_PROVEN` (read with ``importlib.metadata``) and the
+config values in ``_PROVEN_CONFIG`` (an allow-list: another value, or a field
+the config no longer has, is refused). What is refused, with the reason in
+the report: another version, Transformer Engine linears or
 activation, a subclass with its own forward, ``sequence_parallel`` (the
 unpatched MLP cannot run on the CPU, so there is nothing to check parity
 against: megatron allocates its all-gather buffer with
@@ -54,22 +58,89 @@ _LAYERS = "megatron.core.tensor_parallel.layers"
 _MAPPINGS = "megatron.core.tensor_parallel.mappings"
 _ACTIVATIONS = "megatron.core.activations"
 
-#: Config flags under which megatron's linears do something the fused op does
-#: not (flag -> why it is refused).
-_REFUSED_FLAGS = {
-    "sequence_parallel": (
+#: The megatron-core releases whose MLP forward the fused one was proven
+#: equal to (tests/test_megatron.py; its CUDA-only paths cannot run here, so
+#: the switch is not probed: it is accepted from the version and the config).
+#: Any other installed version is refused, with the reason.
+MEGATRON_VERSIONS_PROVEN = ("0.16.1",)
+
+#: The config values under which megatron's linears were proven to compute
+#: what the fused op does (field -> (allowed values, why other values are
+#: refused)). A value outside, or a field missing from the config (a release
+#: that renamed it), is refused: an allow-list, so what was not proven is not fused.
+_PROVEN_CONFIG = {
+    "sequence_parallel": ((False,), (
         "sequence_parallel: not reproduced, since the unpatched MLP cannot run on the CPU to check it "
         "(megatron's sequence-parallel all-gather buffer is allocated with torch.cuda.current_device(), "
-        "megatron/core/utils.py:631); left as is"),
-    "gradient_accumulation_fusion": (
+        "megatron/core/utils.py:631); left as is")),
+    "gradient_accumulation_fusion": ((False,), (
         "gradient_accumulation_fusion: megatron's CUDA kernel accumulates the weight gradients into main_grad; "
-        "left as is"),
-    "delay_wgrad_compute": "delay_wgrad_compute: the weight gradients are deferred to backward_dw; left as is",
-    "fp8": "fp8: megatron's linears run in fp8 (Transformer Engine); left as is",
-    "fp4": "fp4: megatron's linears run in fp4 (Transformer Engine); left as is",
-    "use_te_activation_func": "use_te_activation_func: Transformer Engine's activation module; left as is",
-    "defer_embedding_wgrad_compute": "defer_embedding_wgrad_compute: fc1 buffers its inputs; left as is",
+        "left as is")),
+    "delay_wgrad_compute": ((False,), "delay_wgrad_compute: the weight gradients are deferred to backward_dw; "
+                                      "left as is"),
+    "fp8": ((None,), "fp8: megatron's linears run in fp8 (Transformer Engine); left as is"),
+    "fp4": ((None,), "fp4: megatron's linears run in fp4 (Transformer Engine); left as is"),
+    "use_te_activation_func": ((False,), "use_te_activation_func: Transformer Engine's activation module; "
+                                         "left as is"),
+    "defer_embedding_wgrad_compute": ((False,), "defer_embedding_wgrad_compute: fc1 buffers its inputs; "
+                                                "left as is"),
+    "cpu_offloading": ((False,), "cpu_offloading: megatron offloads the linears' inputs itself; left as is"),
+    "bias_activation_fusion": ((False, True), "bias_activation_fusion: a value other than True/False"),
+    "add_bias_linear": ((False, True), "add_bias_linear: a value other than True/False"),
 }
+
+
+#: SHA-256 of the source of megatron's ``MLP.forward`` in those releases: a
+#: forward replaced since (a patch of the installed package, a monkeypatch)
+#: is not the one proven, and is refused.
+_PROVEN_FORWARD_SHA256 = {"c68406f3ca95514d26cb5a883f94aa2308eb7fbd3ed5da190da355fbcebab61d"}
+
+
+def _forward_reason(base: type) -> str | None:
+    """Why ``base.forward`` is not the megatron ``MLP.forward`` proven, or None."""
+    import hashlib
+    import inspect
+
+    try:
+        source = inspect.getsource(base.forward)
+    except (OSError, TypeError) as error:
+        return f"the source of {base.__name__}.forward cannot be read ({type(error).__name__}): left as is"
+    if hashlib.sha256(source.encode()).hexdigest() not in _PROVEN_FORWARD_SHA256:
+        return (f"{base.__module__}.{base.__qualname__}.forward is not the forward proven equal to the fused one "
+                f"(megatron-core {', '.join(MEGATRON_VERSIONS_PROVEN)}): replaced or changed; left as is")
+    return None
+
+
+def megatron_version() -> str | None:
+    """The installed megatron-core's version (``importlib.metadata``), or None."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def megatron_version_reason() -> str | None:
+    """Why the installed megatron-core is not one the fused MLP was proven
+    equal to, or None if it is."""
+    version = megatron_version()
+    if version in MEGATRON_VERSIONS_PROVEN:
+        return None
+    return (f"megatron-core {version} is installed: its MLP forward was proven equal to the fused one only "
+            f"for {', '.join(MEGATRON_VERSIONS_PROVEN)} (its CUDA-only paths cannot be probed here); left as is")
+
+
+def _config_reason(config) -> str | None:
+    """Why ``config`` holds a value outside the allow-list, or None."""
+    for field, (allowed, why) in _PROVEN_CONFIG.items():
+        if not hasattr(config, field):
+            return (f"its config has no {field} (a megatron-core release other than the one checked?): "
+                    "left as is")
+        value = getattr(config, field)
+        if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+            return why if why.endswith("left as is") else f"{why} ({value!r}); left as is"
+    return None
 
 
 def _mlp_class():
@@ -157,11 +228,9 @@ def megatron_skip_reason(module: nn.Module) -> str | None:
     config = module.config
     if not config.gated_linear_unit:
         return "gated_linear_unit=False: not a GLU feed-forward; left as is"
-    for flag, why in _REFUSED_FLAGS.items():
-        if getattr(config, flag, None):
-            return why
-    if getattr(config, "cpu_offloading", False):
-        return "cpu_offloading: megatron offloads the linears' inputs itself; left as is"
+    why = megatron_version_reason() or _forward_reason(base) or _config_reason(config)
+    if why is not None:
+        return why
     for role, name, base_name in (("linear_fc1", "linear_fc1", "ColumnParallelLinear"),
                                   ("linear_fc2", "linear_fc2", "RowParallelLinear")):
         why = _linear_obstacle(module._modules[name], role, base_name)

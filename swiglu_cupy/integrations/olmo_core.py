@@ -72,6 +72,7 @@ from ..dense.api import swiglu_unpacked
 from ..moe.grouped import grouped_experts_unpacked
 from .plan_runner import is_dtensor, linear_obstacle, plain_linear
 from .fused import switched_base, switched_class
+from .switch_proof import probe_tensor, proven
 
 __all__ = ["is_olmo_core_switchable", "patch_olmo_core_module", "olmo_core_skip_reason", "fused_olmo_core_class"]
 
@@ -128,16 +129,47 @@ def _normalized_forward(self, x: torch.Tensor) -> torch.Tensor:
                            self.w2.weight, None, **_options(self))
 
 
+# ---- probe inputs (the proof each switch makes: integrations.switch_proof) ----------------
+
+#: Rows per expert of the dropless experts' probe input: uneven, an expert without rows included.
+_PROBE_COUNTS = (3, 0, 5, 2)
+
+
+def _moe_mlp_probe(self) -> tuple:
+    """``x`` [E, C, D] in the weights' dtype, capacity 3."""
+    w1 = _local(self.w1)
+    E = self.num_experts
+    x = probe_tensor((E * 3, self.d_model), w1)
+    return (x.view(E, 3, self.d_model),)
+
+
+def _dropless_probe(self) -> tuple:
+    """``(x [S, D], batch_size_per_expert [E])``, rows sorted by expert."""
+    w1 = _local(self.w1)
+    counts = torch.tensor([_PROBE_COUNTS[e % len(_PROBE_COUNTS)] for e in range(self.num_experts)])
+    return probe_tensor((int(counts.sum()), self.d_model), w1), counts
+
+
+def _normalized_probe(self) -> tuple:
+    return (probe_tensor((6, self.w1.weight.shape[-1]), self.w1.weight),)
+
+
 # ---- the switched classes --------------------------------------------------------------------
+
+_MOE_MLP_FORWARD = proven(_moe_mlp_forward, _moe_mlp_probe)
+_DROPLESS_FORWARD = proven(_dropless_forward, _dropless_probe,  # grouped_gemm's gmm: bf16
+                           lambda self: torch.bfloat16 if self._gmm is not None else self.w1.dtype)
+_NORMALIZED_FORWARD = proven(_normalized_forward, _normalized_probe)
+
 
 def _forwards() -> dict:
     """OLMo-core's switchable classes (of its modules already loaded) -> their fused forward."""
     forwards = {}
     mlp, feed_forward = sys.modules.get(_MLP), sys.modules.get(_FEED_FORWARD)
     if mlp is not None:
-        forwards.update({mlp.MoEMLP: _moe_mlp_forward, mlp.DroplessMoEMLP: _dropless_forward})
+        forwards.update({mlp.MoEMLP: _MOE_MLP_FORWARD, mlp.DroplessMoEMLP: _DROPLESS_FORWARD})
     if feed_forward is not None:
-        forwards[feed_forward.NormalizedFeedForward] = _normalized_forward
+        forwards[feed_forward.NormalizedFeedForward] = _NORMALIZED_FORWARD
     return forwards
 
 

@@ -45,6 +45,7 @@ from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, swit
 from .olmo_core import is_olmo_core_switchable, olmo_core_skip_reason, patch_olmo_core_module
 from .megatron import is_megatron_mlp, megatron_skip_reason, patch_megatron_mlp
 from .probe import choose_plan
+from .switch_proof import check_switch
 from .recognition import GLUPlan, glu_candidates
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
@@ -203,6 +204,9 @@ class _ClassSwitch:
     matches: Callable[[nn.Module], bool]
     patch: Callable[[nn.Module, dict], str | None]  # (module, options)
     skip_reason: Callable[[nn.Module], str | None]
+    #: Whether the switch is proved by running the module's own forward
+    #: against the fused one (``integrations.switch_proof``) before it is kept.
+    proved: bool = True
 
 
 _CLASS_SWITCHES = (
@@ -212,7 +216,7 @@ _CLASS_SWITCHES = (
     _ClassSwitch("olmo_core", "OLMo-core", is_olmo_core_switchable,
                  lambda m, options: patch_olmo_core_module(m, **options), olmo_core_skip_reason),
     _ClassSwitch("megatron", "megatron-core", is_megatron_mlp, lambda m, options: patch_megatron_mlp(m, **options),
-                 megatron_skip_reason),
+                 megatron_skip_reason, proved=False),  # accepted from its version and config: integrations.megatron
 )
 
 
@@ -339,12 +343,18 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             if library.family in families:
                 report.classes[path] = base
                 note = library.patch(module, options)
+                refused, pending = check_switch(module) if note is not None and library.proved else (None, False)
                 if note is None:  # the patch refuses exactly when there is a reason
                     report.skipped[path] = library.skip_reason(module)
+                elif refused is not None:
+                    report.skipped[path] = refused
                 else:
-                    report.fused[path] = note
                     if note.endswith("(already fused)"):
                         report.already.append(path)
+                    if pending:
+                        note += ("; proved against its own forward at its first forward on real weights "
+                                 "(its own forward runs until then)")
+                    report.fused[path] = note
             continue
         found = glu_candidates(module)
         if found is None:

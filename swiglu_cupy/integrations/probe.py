@@ -13,7 +13,16 @@ from .._dtypes import SUPPORTED_DTYPES
 from .plan_runner import run_plan
 from .recognition import Candidates, GLUPlan, rows_agree
 
-__all__ = ["choose_plan"]
+__all__ = ["choose_plan", "describe_error"]
+
+
+def describe_error(error: BaseException | None) -> str:
+    """``" (Type: first line of its message)"``, what a reason says of an
+    exception; empty for None."""
+    if error is None:
+        return ""
+    lines = str(error).strip().splitlines()
+    return f" ({type(error).__name__}: {lines[0]})" if lines else f" ({type(error).__name__})"
 
 # Without a stated limit, the probe's large rows reach this far, so a clamp
 # written into a forward below it shows up as a mismatch.
@@ -49,16 +58,21 @@ class _Probe:
         scale = max(1.0, 4.0 * limit / reach) if reach > 0 and math.isfinite(reach) else 1.0
         self.x = torch.cat([x, x[:2] * scale])
         self.own_forward = own_forward
+        #: The exception the last :meth:`run` raised (None if it returned).
+        self.error: BaseException | None = None
         self.expected = self.run(own_forward)
+        self.own_error = self.error
 
     def run(self, fn, training=False, seed=None):
         training_was = self.module.training
         self.module.train(training)
+        self.error = None
         try:
             with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(0 if seed is None else seed)
                 return fn(self.x)
-        except Exception:
+        except Exception as error:
+            self.error = error
             return None
         finally:
             self.module.train(training_was)
@@ -107,7 +121,7 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
         return None, "could not be probed: the input width of its projections is unknown"
     probe = _Probe(module, cands, own_forward or module.forward)
     if probe.expected is None:
-        return None, "could not be probed: its forward failed on a probe input"
+        return None, "could not be probed: its forward failed on a probe input" + describe_error(probe.own_error)
     for plan in cands.plans:
         def reference(x, plan=plan):
             return run_plan(module, x, plan, fused=False)

@@ -61,7 +61,8 @@ from ..activations import GLUActivation
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..moe.grouped import grouped_experts, grouped_experts_unpacked
 from .plan_runner import is_dtensor, plain_linear
-from .fused import switched_class
+from .fused import switched_base, switched_class
+from .switch_proof import probe_tensor, proven
 
 __all__ = ["patch_torchtitan_class", "torchtitan_skip_reason", "fused_torchtitan_class",
            "is_torchtitan_switchable",
@@ -149,6 +150,60 @@ def _fused_swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     return w2(glu_mul(gate, up))
 
 
+# ---- probe inputs (the proof each switch makes: integrations.switch_proof) ----------------
+
+#: Rows per expert of the experts' probe input: uneven, an expert without rows included.
+_PROBE_COUNTS = (3, 0, 5, 2)
+
+
+def _experts_probe(self) -> tuple:
+    """``(x_RD, num_tokens_per_expert_E)`` in the parameters' dtype, rows sorted by expert."""
+    w2 = _local(self.w2_EDF)
+    E, D = w2.shape[0], w2.shape[1]
+    counts = torch.tensor([_PROBE_COUNTS[e % len(_PROBE_COUNTS)] for e in range(E)], device=w2.device)
+    return probe_tensor((int(counts.sum()), D), w2), counts
+
+
+def _fused_swiglu_probe(self) -> tuple:
+    w13 = _local(self.w13)
+    return (probe_tensor((6, w13.shape[-1]), w13),)
+
+
+def _feed_forward_probe(self) -> tuple:
+    return (probe_tensor((6, self.w1.weight.shape[-1]), self.w1.weight),)
+
+
+#: GroupedExperts computes in bf16 whatever its parameters' dtype (its output cast back).
+_BF16 = {_experts_forward: lambda self: torch.bfloat16}
+#: The torchtitan release whose fused_swiglu overrides (CUDA-only Triton
+#: forwards) the fused forwards were checked against, on the GPU.
+_OVERRIDES_PROVEN = ("0.3.0",)
+
+
+def _overrides_unrunnable(self) -> tuple[bool, str | None]:
+    """torchtitan's ``fused_swiglu`` overrides run a Triton kernel: on CUDA
+    weights the proof runs it; elsewhere the switch is accepted only for the
+    torchtitan release it was checked against."""
+    if switched_base(self) not in (_fused_swiglu_base(), _fused_grouped_experts_base()) or any(
+            p.device.type == "cuda" for p in self.parameters()):
+        return False, None
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torchtitan")
+    except metadata.PackageNotFoundError:
+        version = None
+    if version in _OVERRIDES_PROVEN:
+        return True, None
+    return True, (f"torchtitan {version}: its {switched_base(self).__name__} forward (a CUDA-only Triton kernel) "
+                  "cannot run on these weights to prove the fused one equal, and this release is not the "
+                  f"one it was checked against ({', '.join(_OVERRIDES_PROVEN)}); left as is")
+
+
+_PROBES = {_experts_forward: _experts_probe, _fused_swiglu_forward: _fused_swiglu_probe,
+           _feed_forward_forward: _feed_forward_probe}
+
+
 # ---- fused subclasses of torchtitan's classes ------------------------------------------------
 
 def _make_fused_class(base: type, forward) -> type:
@@ -173,7 +228,9 @@ def _fused_class_parts(base: type, forward):
         self._swiglu_cupy_tile_rows = getattr(config, "tile_rows", None)
 
     return name, (base,), {"__module__": __name__, "__qualname__": name, "Config": config_cls,
-                           "__init__": __init__, "forward": forward, "parallelize": _parallelize}
+                           "__init__": __init__, "forward": proven(forward, _PROBES[forward], _BF16.get(forward),
+                                                     _overrides_unrunnable),
+                           "parallelize": _parallelize}
 
 
 def _parallelize(self, parallel_dims) -> None:
@@ -207,6 +264,11 @@ def _experts_bases() -> tuple[type, ...]:
     if fused is not None and hasattr(fused, "FusedGroupedExperts"):
         bases.append(fused.FusedGroupedExperts)
     return tuple(bases)
+
+
+def _fused_grouped_experts_base() -> type | None:
+    """torchtitan's ``FusedGroupedExperts`` override, if loaded."""
+    return getattr(sys.modules.get(_FUSED_OVERRIDES), "FusedGroupedExperts", None)
 
 
 def _fused_swiglu_base() -> type | None:
