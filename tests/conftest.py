@@ -1,3 +1,5 @@
+import fnmatch
+
 import pytest
 import torch
 
@@ -14,7 +16,214 @@ def pytest_configure(config):
                                        "(the floor run of .ci/run leaves it out)")
 
 
+# ---- test tiers (docs/testing.md#tiers) ---------------------------------------------------
+# Every test carries exactly one tier marker; `python -m pytest -q -m TIER` runs one tier,
+# plain `python -m pytest -q` runs them all. The tiers and what goes in each:
+#   quick           every module's core behaviour, for every change (at most 3 minutes on 2 cores)
+#   extended        the rest of the single-process tests: full matrices, CLI runs in subprocesses,
+#                   torch.compile and export sweeps, long shapes
+#   multiprocess    tests that start gloo ranks (torch.distributed, DeepSpeed, sharded libraries)
+#   compile_matrix  NVRTC compiles of the kernels (the whole matrix in tests/test_compile_check.py)
+#   peer_suites     a peer library's own test suite run on patched models (transformers' common tests)
+#   training        trains a model for hundreds of steps (marked in the test file itself)
+TIERS = ("quick", "extended", "multiprocess", "compile_matrix", "peer_suites", "training")
+
+# Every test file, by file name, and the tier of its tests; a test named in TESTS below goes to
+# the tier named there instead. tests/test_tiers.py checks that each test file is listed here.
+FILES = {
+    # the core: dense op, module, functions, validation, checkpointing, memory modes, primitives
+    "test_api.py": "quick",
+    "test_architecture.py": "quick",
+    "test_checkpoint.py": "quick",
+    "test_functions.py": "quick",
+    "test_memory_modes.py": "quick",
+    "test_module.py": "quick",
+    "test_validation.py": "quick",
+    "test_primitives.py": "quick",
+    "test_hardening.py": "quick",
+    "test_silu_mul.py": "quick",
+    "test_ops.py": "quick",
+    "test_transforms.py": "quick",
+    "test_glu.py": "quick",
+    "test_saved_x12_fp8.py": "quick",
+    "test_tiles.py": "quick",
+    "test_moe.py": "quick",
+    "test_moe_tiles.py": "quick",
+    # kernels: sources, launching, the self-check (host-executed, float32 only in quick: see below)
+    "test_sources.py": "quick",
+    "test_launch.py": "quick",
+    "test_selfcheck.py": "quick",
+    "test_host_exec.py": "extended",
+    "test_compile_check.py": "compile_matrix",
+    "test_cuda.py": "extended",                  # marked gpu: skipped without one
+    # integrations, single process
+    "test_patch.py": "quick",
+    "test_hf.py": "quick",
+    "test_hf_native.py": "quick",
+    "test_peft.py": "quick",
+    "test_xformers.py": "quick",
+    "test_moe_hf.py": "extended",
+    "test_training_libraries.py": "extended",
+    "test_torchtitan.py": "extended",
+    # tools, CLI, packaging, docs
+    "test_public_api.py": "quick",
+    "test_live_bytes.py": "quick",
+    "test_bench_report.py": "quick",
+    "test_bench_contenders.py": "quick",
+    "test_bench_measure.py": "quick",
+    "test_selftest.py": "quick",
+    "test_torch_compat.py": "quick",
+    "test_readme.py": "quick",
+    "test_docs.py": "quick",
+    "test_tiers.py": "quick",
+    "test_bench_cli.py": "extended",
+    "test_bench_sweep.py": "extended",
+    "test_bench_compile_probe.py": "extended",
+    "test_packaging.py": "extended",
+    # gloo ranks
+    "test_distributed.py": "multiprocess",
+    "test_distributed_compat.py": "multiprocess",
+    "test_parallel.py": "multiprocess",
+    "test_hf_tp.py": "multiprocess",
+    "test_deepspeed.py": "multiprocess",
+    "test_deepspeed_families.py": "multiprocess",
+    "test_deepspeed_trainer.py": "multiprocess",
+    "test_training_libraries_sharded.py": "multiprocess",
+    "test_megatron.py": "multiprocess",
+    # peers' own suites, training runs
+    "test_hf_common.py": "peer_suites",
+    "test_fp8_convergence.py": "training",
+}
+
+# Tests outside their file's tier: file name -> {test: tier}. A test is its function name (all of
+# its cases), or the name and a pattern of the case's parameter id: "test_x[llama-*]" (fnmatch).
+TESTS = {
+    "test_api.py": {"test_silu_mul_on_dtensors_is_shard_by_shard": "multiprocess"},
+    # Host-executed in another dtype than float32 (each dtype is a g++ build): extended.
+    "test_hardening.py": {"test_property_host_kernels_match_reference": "extended",
+                          "test_index_range_beyond_2_pow_31_on_host": "extended",
+                          "test_backward_is_bitwise_deterministic[host_kernels]": "extended",
+                          "test_tiny_and_odd_sizes[host_kernels-*]": "extended"},
+    "test_selfcheck.py": {"test_a_correct_module_passes_once_and_its_probe_covers_the_shapes": "extended",
+                          "test_a_wrong_fp8_saved_x12_kernel_is_caught_and_replaced": "extended",
+                          "test_info_lists_each_module_with_its_result": "extended",
+                          "test_moe_check_under_autocast_and_inference_mode_is_not_fooled": "extended",
+                          "test_a_limit_beyond_the_dtype_range_is_probed_at_its_largest_value": "extended"},
+    "test_silu_mul.py": {"test_torch_compile_and_opcheck": "extended"},
+    "test_validation.py": {"test_tensor_subclass_weight_does_not_import_torch_distributed": "extended"},
+    "test_public_api.py": {"test_the_cli_lists_its_commands": "extended"},
+    "test_docs.py": {"test_python_block_runs_on_the_cpu": "extended"},   # every page's blocks, one process
+    "test_ops.py": {"test_torch_compile_memory_modes": "extended"},
+    "test_transforms.py": {"test_export_save_load_round_trip_in_a_fresh_process": "extended",
+                           "test_onnx_export_uses_standard_ops_and_matches_onnxruntime": "extended",
+                           "test_run_decompositions_default_and_to_plain_aten": "extended",
+                           "test_export_runs_and_matches_eager[functional-*]": "extended"},
+    "test_glu.py": {"test_torch_compile_fullgraph_every_layout": "extended",
+                    "test_clamp_boundaries_pass_the_gradient_like_torch_clamp[*host_kernels]": "extended",
+                    "test_onnx_export_of_the_variants_uses_standard_ops": "extended"},
+    "test_saved_x12_fp8.py": {"test_torch_compile_fullgraph_matches_eager": "extended",
+                              "test_kernel_encoder_is_bit_exact_with_torchs_cast_on_every_bf16_value": "extended",
+                              "test_float64_builds_no_8_bit_kernels_and_their_launch_says_why": "extended",
+                              "test_moe_torch_compile_fullgraph_matches_eager": "extended"},
+    "test_tiles.py": {"test_the_issue_goal_shape_memory": "extended",
+                      "test_torch_compile_of_a_tiled_block_has_no_graph_break": "extended",
+                      "test_tiled_bf16_grads_accumulate_in_fp32_within_one_rounding": "extended",
+                      "test_tiles_peak_at_most_deepspeed_tiled_mlp_with_as_many_tiles": "extended",
+                      "test_fsdp2_and_ddp_with_tiles_match_the_untiled_single_process_run": "multiprocess"},
+    "test_moe.py": {"test_torch_compile_fullgraph_matches_eager": "extended",
+                    "test_gradcheck_float64": "extended",
+                    "test_opcheck_registered_ops": "extended",
+                    "test_unpacked_opcheck_registered_ops": "extended",
+                    "test_unpacked_matches_fp64_reference_and_packed[recompute_gate_up-*]": "extended",
+                    "test_unpacked_matches_fp64_reference_and_packed[tiles-*]": "extended",
+                    "test_unpacked_matches_fp64_reference_and_packed[fp8_saved_x12-*]": "extended",
+                    "test_unpacked_torch_compile_fullgraph_matches_eager": "extended",
+                    "test_fsdp2_two_ranks_matches_one_process": "multiprocess"},
+    "test_moe_tiles.py": {"test_torch_compile_of_tiled_experts_has_no_graph_break": "extended",
+                          "test_bf16_tiles_sum_weight_gradients_in_fp32": "extended"},
+    "test_launch.py": {"test_info_command_explains_the_state": "extended",
+                       "test_eight_threads_first_call_compile_once_and_compute_correctly": "extended"},
+    "test_host_exec.py": {"test_kernels_match_torch_implementation": "quick",
+                          "test_vector_path_when_aligned_scalar_path_otherwise": "quick",
+                          "test_strided_rows_and_in_place_outputs": "quick",
+                          "test_rows_beyond_the_grid_are_covered_by_the_row_loop": "quick",
+                          "test_empty_batch_launches_nothing": "quick",
+                          "test_whole_function_with_host_kernels": "quick",
+                          "test_silu_mul_kernels_match_torch_implementation": "quick",
+                          "test_silu_mul_in_place": "quick",
+                          "test_default_launch_shape_is_unchanged": "quick"},
+    "test_compile_check.py": {"test_parse_ptxas_log": "quick",
+                              "test_launch_candidates_only_use_compiled_instances_and_block_sizes": "quick"},
+    "test_patch.py": {"test_every_entry_reaches_in_random_nests_of_containers_and_blocks_what_patch_reaches":
+                      "extended",
+                      "test_hf_family_parity_with_checkpointing[gemma2]": "extended",
+                      "test_hf_family_parity_with_checkpointing[deepseek_v4]": "extended",
+                      "test_class_level_patching[deepseek_v4]": "extended",
+                      "test_hf_family_parity_with_checkpointing[gemma3_text]": "extended",
+                      "test_hf_family_parity_with_checkpointing[glm]": "extended",
+                      "test_hf_family_parity_with_checkpointing[glm4]": "extended",
+                      "test_patch_of_a_model_without_experts_does_not_import_transformers": "extended",
+                      "test_hf_family_bf16_error_no_larger_than_unpatched": "extended"},
+    "test_hf.py": {"test_convergence_parity": "extended",
+                   "test_other_known_activations_fused": "extended",
+                   "test_parity_logits_and_grads[mistral-*]": "extended",
+                   "test_parity_logits_and_grads[qwen2-*]": "extended",
+                   "test_save_pretrained_roundtrip[qwen2]": "extended"},
+    "test_hf_native.py": {"test_export_then_onnx_under_no_grad_matches_onnxruntime": "extended",
+                          "test_export_decompositions_leave_no_swiglu_op": "extended"},
+    "test_peft.py": {"test_thirty_training_steps_match": "extended"},
+    "test_xformers.py": {"test_import_does_not_import_xformers": "extended",
+                         "test_fsdp2_two_gloo_ranks_against_one_process": "multiprocess"},
+    "test_moe_hf.py": {"test_registered_under_swiglu_cupy": "quick",
+                       "test_plans_map_each_family_to_its_activation": "quick",
+                       "test_logits_and_every_gradient_match_hf_eager_and_grouped_mm[mixtral-non_reentrant]": "quick",
+                       "test_logits_and_every_gradient_match_hf_eager_and_grouped_mm[gpt_oss-None]": "quick",
+                       "test_saved_bytes_each_tokens_input_once[mixtral-tiny_top2]": "quick",
+                       "test_from_pretrained_with_experts_implementation": "quick",
+                       "test_patch_model_and_patch_switch_the_experts_too": "quick",
+                       "test_unknown_gate_or_ungated_expert_is_left_unfused_with_a_warning": "quick",
+                       "test_expert_parallel_sentinels_match_hf": "quick"},
+    "test_training_libraries.py": {
+        "test_torchtune_feed_forwards_are_fused_whole_with_parity[llama3-checkpointed]": "quick",
+        "test_olmo_core_feed_forwards_are_fused_whole_with_parity[llama_silu-checkpointed]": "quick"},
+    "test_torchtitan.py": {"test_torchtitan_parallelize_two_gloo_ranks": "multiprocess"},
+    "test_bench_measure.py": {"test_cpu_path_record_per_dtype_and_case": "extended",
+                              "test_overhead_record_has_both_modes_and_ratios_to_eager_hf": "extended"},
+    "test_bench_cli.py": {"test_resolve_*": "quick"},
+    "test_bench_sweep.py": {"test_no_recommendation_without_the_default": "quick",
+                            "test_estimate_counts_every_timing_and_follows_its_model": "quick"},
+    "test_selftest.py": {"test_without_cuda_exits_2_and_runs_nothing": "extended",
+                         "test_step_limit_stops_the_whole_process_group": "extended"},
+    "test_torch_compat.py": {"test_torch_compile_under_the_ci_environment_variable": "extended",
+                             "test_a_torch_without_the_cpp_apply_still_imports_and_runs": "extended"},
+    "test_tiers.py": {"test_quick_tier_runs_without_the_optional_packages": "extended"},
+}
+
+
+def tier_of(item) -> str:
+    """The tier of one collected test (see TIERS)."""
+    if item.get_closest_marker("training") is not None:
+        return "training"
+    file = item.path.name
+    tier = FILES.get(file, "extended")
+    case = getattr(getattr(item, "callspec", None), "id", "")
+    for pattern, named in TESTS.get(file, {}).items():
+        name, _, params = pattern.partition("[")
+        if fnmatch.fnmatchcase(item.originalname, name) and (not params or fnmatch.fnmatchcase(case, params[:-1])):
+            tier = named
+    if tier == "quick" and "host_launcher" in getattr(item, "fixturenames", ()):
+        # Host execution builds one library per dtype with g++ (tens of seconds each on a
+        # cold cache): the quick tier runs the host-executed cases in float32 only.
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if any(isinstance(v, torch.dtype) and v != torch.float32 for v in params.values()):
+            tier = "extended"
+    return tier
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of(item)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -24,10 +233,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def host_launcher():
-    """Runs the kernels_cu sources on the CPU (built once per session)."""
+def host_launcher(request):
+    """Runs the kernels_cu sources on the CPU (built once per session). The
+    libraries of all dtypes are built up front, in parallel, unless only
+    quick-tier tests use the launcher: those build what they run (float32)."""
     launcher = HostLauncher()
-    launcher.warm(DTYPES_ALL)
+    users = [item for item in request.session.items if "host_launcher" in getattr(item, "fixturenames", ())]
+    if any(item.get_closest_marker("quick") is None for item in users):
+        launcher.warm(DTYPES_ALL)
     return launcher
 
 

@@ -462,6 +462,8 @@ def test_patch_model_and_patch_decide_alike(source):
 
 def test_patch_xformers_is_the_walk_narrowed_to_xformers():
     xops = _xformers_ops()
+    if xops is None:
+        pytest.skip("needs xformers: pip install --no-deps -r tests/requirements/peers.txt")
     torch.manual_seed(0)
     model = nn.ModuleDict({"x": xops.SwiGLU(D, 12), "t": TorchtitanFeedForward(D, 12)})
     assert patch_xformers(model) == 1
@@ -672,7 +674,7 @@ def test_every_entry_reaches_in_random_nests_of_containers_and_blocks_what_patch
 
     xops = _xformers_ops()
     if xops is None:
-        pytest.skip("needs xformers")
+        pytest.skip("needs xformers: pip install --no-deps -r tests/requirements/peers.txt")
     llama = pytest.importorskip("transformers.models.llama.modeling_llama")
     containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
     lookalikes_seen = 0

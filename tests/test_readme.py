@@ -12,6 +12,12 @@ def test_ci_runs_the_readme_commands_in_a_fresh_venv():
     assert first_block[1] == "python -m pytest -q"
     assert first_block[2] == "python examples/quickstart.py"
     ci_lines = [line.split("#")[0].strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    # Command 1's extras hold the CUDA 13 wheels, the test extra and transformers, named or through `dev`.
+    extras = set(re.match(r'pip install -e "\.\[([\w,]+)\]"', first_block[0]).group(1).split(","))
+    if "dev" in extras:
+        dev = re.search(r'^dev = \["swiglu-cupy\[([\w,]+)\]"\]$', (REPO / "pyproject.toml").read_text(), re.M)
+        extras = (extras - {"dev"}) | set(dev.group(1).split(","))
+    assert {"cuda13", "test", "hf"} <= extras, extras
     for command in first_block:
         assert command in ci_lines, command
     venv = next(i for i, line in enumerate(ci_lines) if line.startswith("python -m venv "))
@@ -48,13 +54,17 @@ def test_ci_floor_run_pins_the_declared_minimums():
 
 def test_ci_installs_the_peer_libraries_in_both_venvs_pinned():
     """README command 1 installs the peers' requirement files with --no-deps
-    (a plain install would pull a CUDA torch); the floor venv gets the same
-    peers.txt, so the libraries are tested at the floor too; every peer there
-    is pinned to the version the docs name."""
+    (a plain install would pull a CUDA torch): all-peers.txt, which is
+    peers.txt and torchtitan.txt; the floor venv gets the same peers.txt, so
+    the libraries are tested at the floor too; every peer there is pinned to
+    the version the docs name."""
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
     command = re.search(r"```bash\n(.*?)\n", readme).group(1)
-    assert "pip install --no-deps -r tests/requirements/peers.txt -r tests/requirements/torchtitan.txt" in command
+    assert "pip install --no-deps -r tests/requirements/all-peers.txt" in command
+    all_peers = [line.strip() for line in (REPO / "tests" / "requirements" / "all-peers.txt").read_text().splitlines()
+                 if line.strip() and not line.startswith("#")]
+    assert all_peers == ["-r peers.txt", "-r torchtitan.txt"], all_peers
     assert '"$floor/bin/python" -m pip install --no-deps -r tests/requirements/peers.txt\n' in ci
     peers = [line.strip() for line in (REPO / "tests" / "requirements" / "peers.txt").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
