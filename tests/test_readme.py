@@ -69,3 +69,15 @@ def test_ci_installs_the_peer_libraries_in_both_venvs_pinned():
     peers = [line.strip() for line in (REPO / "tests" / "requirements" / "peers.txt").read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     assert peers and all(re.fullmatch(r"[A-Za-z0-9_.-]+==[\w.]+", line) for line in peers), peers
+
+
+def test_ci_first_run_installs_the_torch_the_readme_names():
+    """The first run's torch (with its torchvision and timm) is pinned in
+    .ci/run, and README step 1 names that very command."""
+    ci = (REPO / ".ci" / "run").read_text()
+    readme = (REPO / "README.md").read_text()
+    lines = [line for line in ci.splitlines() if line.startswith("python -m pip install torch==")]
+    assert len(lines) == 1, lines
+    command = lines[0].split("#")[0].strip().removeprefix("python -m ")
+    assert re.fullmatch(r"pip install torch==[\d.]+ torchvision==[\d.]+ timm==[\d.]+", command), command
+    assert f"`{command}`" in readme, command
