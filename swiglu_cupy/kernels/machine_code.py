@@ -408,7 +408,11 @@ def analyze_module(variant: KernelVariant, dtype: torch.dtype, arch: str, cubin:
 
 def local_memory_problems(code: KernelCode) -> list[str]:
     """No local memory: no LDL/STL, and ptxas reports no stack frame or spills."""
-    out = [f"local memory instruction {text}" for text in code.local_accesses]
+    out = []
+    if code.local_accesses:
+        more = len(code.local_accesses) - 3
+        out.append(f"{len(code.local_accesses)} local memory instructions: {'; '.join(code.local_accesses[:3])}"
+                   + (f"; ... {more} more" if more > 0 else ""))
     if code.stack_bytes or code.spill_bytes:
         out.append(f"ptxas: {code.stack_bytes} bytes stack frame, {code.spill_bytes} bytes spilled")
     return out
@@ -423,21 +427,21 @@ def access_width_problems(code: KernelCode, vectorized: bool, fp8: bool = False)
     if vectorized:
         narrow = {n: k for n, k in code.all_accesses.items() if _width_of(n) != 16}
         if narrow or not code.all_accesses:
-            out.append(f"accesses narrower than 16 bytes in a vector instance: {_widths(Counter(narrow))}")
+            out.append(f"narrower than 16 B in a 16-byte instance: {_widths(Counter(narrow))}")
     elif not fp8:
         wide = {n: k for n, k in code.all_accesses.items() if _width_of(n) == 16}
         if wide:
-            out.append(f"16-byte accesses in an instance that takes any alignment: {_widths(Counter(wide))}")
+            out.append(f"16-byte accesses in an any-alignment instance: {_widths(Counter(wide))}")
     if fp8:
         narrow = {n: k for n, k in code.hot_loop_accesses.items() if _width_of(n) < 4}
         if narrow:
-            out.append(f"1- or 2-byte accesses per lane in the hot loop: {_widths(Counter(narrow))}")
+            out.append(f"1-2 B per lane in the hot loop: {_widths(Counter(narrow))}")
     return out
 
 
 def hot_loop_call_problems(code: KernelCode) -> list[str]:
     if code.hot_loop_calls:
-        return [f"{code.hot_loop_calls} CALL(s) in the hot loop"]
+        return [f"{code.hot_loop_calls} CALLs in the hot loop"]
     if not code.hot_loops:
         return ["no hot loop found (no loop holds the kernel's stores)"]
     return []
@@ -452,9 +456,8 @@ def ratio_problems(code: KernelCode, goal: Goal) -> list[str]:
             continue
         p = code.predictions[part]
         if p.ratio > goal.max_ratio:
-            out.append(f"{part}: issue/memory {p.ratio:.2f} > {goal.max_ratio:.2f} "
-                       f"({code.instr_per_element:.2f} instr/elem, {code.bytes_per_element:g} B/elem, "
-                       f"{p.bound}-bound)")
+            out.append(f"{part} issue/memory {p.ratio:.3f} > {goal.max_ratio:.2f} "
+                       f"({code.instr_per_element:.2f} instr/elem, {code.bytes_per_element:g} B/elem)")
     return out
 
 
@@ -534,3 +537,34 @@ def format_report(codes: list[KernelCode]) -> str:
                      f"{c.hot_loop_calls:>4}  {_widths(c.hot_loop_accesses)}"
                      + (f"  [walk: {c.walk_error}]" if c.walk_error else ""))
     return "\n".join(lines)
+
+
+def report_modules(jobs, modules) -> str:
+    """The report of compiled modules: ``jobs`` are (dtype, arch, variant) and
+    ``modules`` their (reports, cubin), as ``compile_check.compile_jobs``
+    returns them. Ends with a summary of the checks and goals."""
+    codes = []
+    for (dtype, arch, variant), (reports, cubin) in zip(jobs, modules):
+        codes += analyze_module(variant, dtype, arch, cubin, reports)
+    return format_report(codes) + "\n\n" + summarize(codes)
+
+
+def summarize(codes: list[KernelCode]) -> str:
+    """One line per check: how many kernels break it (the goals of issue 42)."""
+    local = [c for c in codes if local_memory_problems(c)]
+    widths = [c for c in codes if access_width_problems(c, *_width_rule(c))]
+    calls = [c for c in codes if c.hot_loop_calls]
+    over = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None and ratio_problems(c, g)]
+    goals = [c for c in codes if goal_for(c.variant, c.dtype, c.kernel) is not None and c.predictions]
+    failed_walks = [c for c in codes if c.walk_error]
+    lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
+             f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
+             f"{len(calls)} CALL a subroutine in the hot loop; {len(over)} of {len(goals)} default-launch "
+             f"kernels exceed their issue/memory goal" + (f"; {len(failed_walks)} not walked" if failed_walks else "")]
+    return "\n".join(lines)
+
+
+def _width_rule(code: KernelCode) -> tuple[bool, bool]:
+    """(vectorized, fp8) of a project kernel, for ``access_width_problems``."""
+    instance = instance_of(code.kernel, code.variant)
+    return instance.vectorized, instance.fp8
