@@ -755,6 +755,17 @@ def _policy(fn: SassFunction, ins: Instruction) -> bool:
 
 
 MAX_STEPS = 2_000_000
+_CONTROL = frozenset({"BRA", "JMP", "EXIT", "CALL", "RET", "BRX", "JMX", "KILL"})
+
+
+def _plan(fn: SassFunction) -> list[tuple]:
+    """Per instruction, what the walk reads at every step (computed once per function)."""
+    plan = getattr(fn, "_walk_plan", None)
+    if plan is None:
+        plan = [(ins, ins.opcode, ins.guard, ins.opcode in _CONTROL, ins.is_global_access,
+                 _SEMANTICS.get(ins.opcode, _unknown_dest)) for ins in fn.instructions]
+        fn._walk_plan = plan
+    return plan
 
 
 def walk(fn: SassFunction, functions: dict[str, SassFunction], bank: dict[int, int], thread: Thread,
@@ -762,44 +773,56 @@ def walk(fn: SassFunction, functions: dict[str, SassFunction], bank: dict[int, i
     """Follow one thread from the kernel's first instruction to its EXIT."""
     trace = Trace(path=[] if record_path else None)
     m = _Machine(fn, functions, bank, thread, trace)
+    hits: dict[str, list[int]] = {}
+    try:
+        _run(fn, functions, m, trace, hits, max_steps)
+    finally:
+        for name, counts in hits.items():
+            owner = fn if name == fn.name else functions[name]
+            for k, n in enumerate(counts):
+                if n:
+                    trace.opcodes[owner.instructions[k].opcode] += n
+                    if owner is fn:
+                        trace.counts[owner.instructions[k].address] = n
+    return trace
+
+
+def _run(fn, functions, m: _Machine, trace: Trace, hits: dict, max_steps: int) -> None:
     current = fn
+    plan = _plan(fn)
+    counts = hits.setdefault(fn.name, [0] * len(plan))
     i = 0
     stack: list[tuple[SassFunction, int]] = []
     steps = 0
-    instructions = current.instructions
     policy: dict = {}
+    path = trace.path
     while True:
-        if i >= len(instructions):
+        if i >= len(plan):
             raise WalkError(f"{fn.name}: ran past the end of {current.name}")
-        ins = instructions[i]
+        ins, opcode, guard, control, global_access, semantics = plan[i]
+        counts[i] += 1
         steps += 1
         if steps > max_steps:
             raise WalkError(f"{fn.name}: no EXIT within {max_steps} instructions (a loop the walk cannot end?)")
-        opcode = ins.opcode
-        trace.opcodes[opcode] += 1
-        if current is fn:
-            trace.counts[ins.address] += 1
-        if trace.path is not None:
-            trace.path.append((current.name, ins.address))
-        guard = ins.guard
+        if path is not None:
+            path.append((current.name, ins.address))
         active = True if guard is None else m.pred(guard)
-        if opcode in ("BRA", "JMP", "EXIT", "CALL", "RET", "BRX", "JMX", "KILL"):
+        if control:
             if opcode == "BRA" and "DIV" in ins.modifiers:
                 active = False  # the warp is converged: a divergence test does not branch
             elif opcode == "BRA" and len(ins.decoded) > 1 and ins.decoded[0][0] in ("p", "up") and active is not False:
-                second = m.pred(ins.decoded[0])
-                active = _combine("AND", active, second)
+                active = _combine("AND", active, m.pred(ins.decoded[0]))
             if active is None:
                 key = (current.name, ins.address)
                 if key not in policy:
                     policy[key] = _policy(current, ins)
                 active = policy[key]
-                trace.policy_branches[(current.name, ins.address)] += 1
+                trace.policy_branches[key] += 1
             if not active:
                 i += 1
                 continue
             if opcode in ("EXIT", "KILL"):
-                return trace
+                return
             if opcode in ("BRX", "JMX"):
                 raise WalkError(f"{fn.name}: indirect branch at {ins.address:#x} is not modelled")
             if opcode == "RET":
@@ -817,7 +840,8 @@ def walk(fn: SassFunction, functions: dict[str, SassFunction], bank: dict[int, i
                 if caller is None:
                     raise WalkError(f"{fn.name}: RET with no CALL at {ins.address:#x}")
                 current, i = caller
-                instructions = current.instructions
+                plan = _plan(current)
+                counts = hits.setdefault(current.name, [0] * len(plan))
                 continue
             target = ins.target
             if opcode == "CALL":
@@ -828,13 +852,17 @@ def walk(fn: SassFunction, functions: dict[str, SassFunction], bank: dict[int, i
                     if target not in functions:
                         raise WalkError(f"{fn.name}: CALL to {target}, not in this cubin")
                     current, i = functions[target], 0
-                    instructions = current.instructions
+                    plan = _plan(current)
+                    counts = hits.setdefault(current.name, [0] * len(plan))
                     continue
             if not isinstance(target, int):
                 raise WalkError(f"{fn.name}: branch without a target at {ins.address:#x}: {ins.text}")
             i = current.index(target)
             continue
-        if ins.is_global_access and active is not False:
+        if active is False:
+            i += 1
+            continue
+        if global_access:
             address = None
             mem = next((o for o in ins.decoded if o[0] == "m"), None)
             if mem is not None:
@@ -844,18 +872,14 @@ def walk(fn: SassFunction, functions: dict[str, SassFunction], bank: dict[int, i
                 if b is not None and uoff is not None:
                     address = (b + uoff + offset) & M64
             trace.accesses.append(Access(ins.address if current is fn else -1, ins.name, ins.access_width, address))
-        semantics = _SEMANTICS.get(opcode)
-        if active is False:
-            i += 1
-            continue
         if active is None:
             # Either outcome: what it writes becomes unknown unless both agree.
             m.log = []
-            (semantics or _unknown_dest)(m, ins)
+            semantics(m, ins)
             for file, k, old in m.log:
                 if file[k] != old:
                     file[k] = None
             m.log = None
         else:
-            (semantics or _unknown_dest)(m, ins)
+            semantics(m, ins)
         i += 1
