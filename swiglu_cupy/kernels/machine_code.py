@@ -44,8 +44,10 @@ Bytes per element (h column; es = the element size):
 from __future__ import annotations
 
 import functools
+import os
 import struct
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -539,14 +541,25 @@ def format_report(codes: list[KernelCode]) -> str:
     return "\n".join(lines)
 
 
-def report_modules(jobs, modules) -> str:
+def report_modules(jobs, modules, workers: int | None = None) -> str:
     """The report of compiled modules: ``jobs`` are (dtype, arch, variant) and
     ``modules`` their (reports, cubin), as ``compile_check.compile_jobs``
-    returns them. Ends with a summary of the checks and goals."""
-    codes = []
-    for (dtype, arch, variant), (reports, cubin) in zip(jobs, modules):
-        codes += analyze_module(variant, dtype, arch, cubin, reports)
+    returns them, analysed in ``workers`` processes (default: one per CPU).
+    Ends with a summary of the checks and goals."""
+    work = [(variant, dtype, arch, cubin, reports) for (dtype, arch, variant), (reports, cubin) in zip(jobs, modules)]
+    workers = max(1, min(len(work), workers or os.cpu_count() or 1))
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            results = list(pool.map(_analyze_job, work))
+    else:
+        results = [_analyze_job(w) for w in work]
+    codes = [c for module in results for c in module]
     return format_report(codes) + "\n\n" + summarize(codes)
+
+
+def _analyze_job(work) -> list[KernelCode]:
+    variant, dtype, arch, cubin, reports = work
+    return analyze_module(variant, dtype, arch, cubin, reports)
 
 
 def summarize(codes: list[KernelCode]) -> str:
