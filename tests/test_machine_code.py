@@ -171,6 +171,7 @@ def test_the_walk_is_faithful(job):
         if not walked(variant, dtype, arch, kernel) or mc.instance_of(kernel, variant).fp8:
             continue
         assert code.walk_error is None, (kernel, code.walk_error)
+        assert not code.unmodelled, (kernel, code.unmodelled)
         assert code.walked_bytes_per_element == code.bytes_per_element, kernel
         assert code.policy_branches >= 0
         if mc.instance_of(kernel, variant).vectorized:

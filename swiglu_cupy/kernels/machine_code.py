@@ -11,9 +11,13 @@ from ``primitives.cuda_impl``, which builds them for a GPU launch) sit in
 constant bank 0, so the walk goes round each loop as often as that thread
 does (the grid-stride loops once: the default launch is one tile per
 thread), takes the in-bounds side of every bounds test, and takes a math
-routine's fast path where a branch depends on data. Every instruction on the
-path counts, predicated or not. Then, per element (the thread's tile: pack
-width N x packs per thread; the 8-bit kernels' 128-column blocks)::
+routine's fast path where a branch depends on data (``sass_walk._policy``).
+Every instruction on the path counts, predicated or not. The 8-bit kernels'
+loops over the columns of their block run their real count too (128, or 32
+when ptxas unrolled by 4), not once. The walked thread is lane 5 of an
+in-bounds warp of an [8, 65536] problem (``launch_for``). Then, per element
+(the thread's tile: pack width N x packs per thread; the 8-bit kernels'
+128-column blocks, 64 h columns per block when interleaved)::
 
     issue time  = instr_per_elem / 32 / (SMs * 4 * clock)     4 schedulers, 1 warp instruction/clock each
     MUFU time   = mufu_per_elem / (SMs * 16 * clock)          16 MUFU lanes/clock/SM
@@ -21,7 +25,7 @@ width N x packs per thread; the 8-bit kernels' 128-column blocks)::
     ratio       = max(issue time, MUFU time) / memory time
 
 A ratio under 1 says the part's DRAM, not instruction issue, bounds the
-kernel; the goals (``GOALS``) keep headroom under it. Assumptions: a warp is
+kernel; the goals (``goal_for``) keep headroom under it. Assumptions: a warp is
 converged and all its lanes take the walked path; no stall is modelled
 (latency, dependencies, memory-pipe throughput: it is a bound on issue, not a
 time); fp64 math issues like fp32 (the fp64 kernels are the checking dtype,
@@ -244,11 +248,6 @@ class Prediction:
     def ratio(self) -> float:
         return max(self.issue_ratio, self.mufu_ratio)
 
-    @property
-    def bound(self) -> str:
-        if self.ratio <= 1:
-            return "memory"
-        return "MUFU" if self.mufu_ratio > self.issue_ratio else "issue"
 
 
 @dataclass
@@ -275,6 +274,7 @@ class KernelCode:
     walked_bytes_per_element: float | None = None   # distinct bytes the walked thread touched
     sector_efficiency: float | None = None           # useful / moved bytes of a warp's accesses
     policy_branches: int = 0
+    unmodelled: list[str] = field(default_factory=list)  # integer opcodes on the path the walk cannot evaluate
     predictions: dict[str, Prediction] = field(default_factory=dict)
     walk_error: str | None = None
 
@@ -289,9 +289,6 @@ class KernelCode:
     @property
     def uses_local_memory(self) -> bool:
         return bool(self.local_accesses) or self.stack_bytes > 0 or self.spill_bytes > 0
-
-    def hot_loop_widths(self) -> set[int]:
-        return {_width_of(name) for name in self.hot_loop_accesses}
 
 
 def _width_of(name: str) -> int:
@@ -378,6 +375,7 @@ def analyze_function(fn: sass.SassFunction, functions: dict[str, sass.SassFuncti
     code.walked_bytes_per_element = None if distinct is None else distinct / launch.elements_per_thread
     code.sector_efficiency = _sector_efficiency(traces[0].accesses, traces[1].accesses, launch.walked().lane)
     code.policy_branches = sum(trace.policy_branches.values())
+    code.unmodelled = sorted(trace.unmodelled)
     for part in PARTS:
         if part.arch != fn.arch:
             continue
@@ -506,7 +504,7 @@ B/elem: DRAM bytes per h element (forward 3 es; backward 6 es: it writes h;
   No stall, latency or cache effect is modelled; a converged warp is assumed.
 local: LDL/STL instructions + ptxas stack/spill bytes. widths: global accesses in the hot
   loop (the grid-stride loop's body), bytes per lane. sect: useful/moved bytes of the
-  warp's accesses (32-byte sectors). CALL: CALL instructions in the hot loop."""
+  warp's accesses, per instruction (32-byte sectors). CALL: subroutine CALLs in the hot loop."""
 
 
 def _widths(counter: Counter) -> str:

@@ -745,7 +745,10 @@ def _policy(fn: SassFunction, ins: Instruction) -> bool:
     target = ins.target
     if not isinstance(target, int) or target <= ins.address:
         return False
-    skipped = _straight_run(fn, fn.instructions[fn.index(ins.address) + 1].address, target)
+    following = fn.index(ins.address) + 1
+    if following >= len(fn.instructions):
+        return False
+    skipped = _straight_run(fn, fn.instructions[following].address, target)
     jumped = _straight_run(fn, target)
     skipped_calls = any(fn.is_subroutine_call(i) for i in skipped)
     jumped_calls = any(fn.is_subroutine_call(i) for i in jumped)
