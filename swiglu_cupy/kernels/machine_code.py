@@ -566,7 +566,8 @@ def summarize(codes: list[KernelCode]) -> str:
     widths = [c for c in codes if access_width_problems(c, *_width_rule(c))]
     calls = [c for c in codes if c.hot_loop_calls]
     over = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None and ratio_problems(c, g)]
-    goals = [c for c in codes if goal_for(c.variant, c.dtype, c.kernel) is not None and c.predictions]
+    goals = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None
+             and any(p in c.predictions for p in g.parts)]
     failed_walks = [c for c in codes if c.walk_error]
     lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
              f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
