@@ -12,16 +12,19 @@ from .activations import KINDS
 
 
 def _cmd_compile(args: argparse.Namespace) -> int:
-    from .kernels.sources import VARIANTS
-    from .kernels.compile_check import CompileError, compile_matrix, format_table
+    from .kernels.sources import SUPPORTED_DTYPES, VARIANTS
+    from .kernels.compile_check import CompileError, compile_jobs, format_table
 
     start = time.perf_counter()
     variants = tuple(v for v in VARIANTS if args.kind is None or v.kind in args.kind)
+    dtypes = tuple(d for d in SUPPORTED_DTYPES if args.dtype is None or str(d).replace("torch.", "") in args.dtype)
+    jobs = [(dtype, arch, variant) for arch in args.arch for dtype in dtypes for variant in variants]
     try:
-        reports = compile_matrix(archs=args.arch, variants=variants)
+        modules = compile_jobs(jobs)
     except CompileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    reports = [r for module_reports, _ in modules for r in module_reports]
     elapsed = time.perf_counter() - start
     print(format_table(reports))
     spilled = [r for r in reports if r.spills]
@@ -31,6 +34,14 @@ def _cmd_compile(args: argparse.Namespace) -> int:
     for r in spilled:
         print(f"SPILL: {r.kernel} [{r.dtype}, {r.arch}] stores={r.spill_store_bytes} "
               f"loads={r.spill_load_bytes}", file=sys.stderr)
+    if args.report:
+        from .kernels.machine_code import report_modules
+
+        try:
+            print("\n" + report_modules(jobs, modules))
+        except RuntimeError as exc:  # cuobjdump missing, or machine code the model cannot read
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     return 1 if spilled else 0
 
 
@@ -63,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--kind", nargs="+", default=None, choices=KINDS,
                       help="only these activation kinds' variants (each with and without the clamp, both "
                            "layouts); default: every kind")
+    comp.add_argument("--dtype", nargs="+", default=None, choices=("float16", "bfloat16", "float32", "float64"),
+                      help="only these storage dtypes; default: every one")
+    comp.add_argument("--report", action="store_true",
+                      help="also read every kernel's machine code (cuobjdump -sass) and print, per kernel, "
+                           "the issue/memory model's prediction (instr/elem, bytes/elem, ratio per GPU), "
+                           "local memory, access widths and CALLs in the hot loop: predicted, not measured")
     comp.set_defaults(func=_cmd_compile)
 
     info = sub.add_parser("info", help="explain the setup: versions, CuPy/NVRTC state, cache dir, "

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import nvrtc_modules
 import pytest
 import torch
 
@@ -30,13 +31,10 @@ JOBS = [(v, d, a) for a in ARCHS for v in VARIANTS for d in SUPPORTED_DTYPES
 @pytest.fixture(scope="module")
 def modules():
     """(variant, dtype, arch) -> (reports, ptx) of every job, one NVRTC
-    compile each (minutes on 2 cores; the CLI compiles the same)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    jobs = JOBS
-    with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        done = pool.map(lambda job: compile_check.compile_module_with_ptx(job[1], job[2], job[0]), jobs)
-        return {job: (reports, ptx if job[2] == PTX_ARCH else None) for job, (reports, _, ptx) in zip(jobs, done)}
+    compile each (minutes on 2 cores; the CLI compiles the same). The cubins
+    stay in nvrtc_modules for test_machine_code.py, which reads them."""
+    done = nvrtc_modules.compiled(JOBS, ptx_archs=(PTX_ARCH,))
+    return {job: (reports, ptx) for job, (reports, _, ptx) in done.items()}
 
 
 @pytest.fixture(scope="module")

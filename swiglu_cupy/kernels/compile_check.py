@@ -121,19 +121,36 @@ def compile_module(dtype: torch.dtype, arch: str, variant: KernelVariant = DEFAU
 def compile_module_with_ptx(dtype: torch.dtype, arch: str, variant: KernelVariant = DEFAULT_VARIANT
                             ) -> tuple[list[KernelReport], bytes, str]:
     """``compile_module`` plus the PTX NVRTC generated on the way (one compile)."""
+    options = [*compile_options(dtype), f"--gpu-architecture={arch}", "-Xptxas=-v"]
+    parsed, cubin, ptx, seconds = _compile(module_source(variant), options, f"[{dtype}, {arch}, {variant}]")
+    reports = [KernelReport(dtype, arch, name, *stats, seconds)
+               for name, stats in sorted(parsed.items())]
+    return reports, cubin, ptx
+
+
+def compile_source(source: str, arch: str, options=()) -> tuple[list[KernelReport], bytes]:
+    """Any CUDA source through the same NVRTC path, options and include dirs
+    as the kernel modules (the machine-code checks' planted kernels use it);
+    the reports' dtype is None."""
+    parsed, cubin, _, seconds = _compile(source, [*options, f"--gpu-architecture={arch}", "-Xptxas=-v"],
+                                         f"[{arch}, source]")
+    return [KernelReport(None, arch, name, *stats, seconds) for name, stats in sorted(parsed.items())], cubin
+
+
+def _compile(source: str, options: list[str], label: str) -> tuple[dict, bytes, str, float]:
+    """(ptxas report per kernel, cubin, PTX, seconds) of one NVRTC program."""
     nvrtc = _nvrtc()
     includes = cuda_include_dirs()
     if not any((d / "cuda_fp16.h").is_file() for d in includes):
         raise CompileError(missing_header_hint("cuda_fp16.h"))
-    options = [*compile_options(dtype), f"--gpu-architecture={arch}", "-Xptxas=-v",
-               *(f"-I{d}" for d in includes)]
+    options = [*options, *(f"-I{d}" for d in includes)]
     start = time.perf_counter()
-    prog = nvrtc.createProgram(module_source(variant), "swiglu_cupy.cu", [], [])
+    prog = nvrtc.createProgram(source, "swiglu_cupy.cu", [], [])
     try:
         try:
             nvrtc.compileProgram(prog, options)
         except Exception as exc:
-            raise CompileError(f"kernels [{dtype}, {arch}, {variant}] failed: {exc}\n"
+            raise CompileError(f"kernels {label} failed: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)
         cubin = _whole_cubin(nvrtc, prog)
@@ -143,19 +160,23 @@ def compile_module_with_ptx(dtype: torch.dtype, arch: str, variant: KernelVarian
     seconds = time.perf_counter() - start
     parsed = parse_ptxas_log(log)
     if not parsed:
-        raise CompileError(f"kernels [{dtype}, {arch}, {variant}]: no ptxas report in the log:\n{log}")
-    reports = [KernelReport(dtype, arch, name, *stats, seconds)
-               for name, stats in sorted(parsed.items())]
-    return reports, cubin, ptx.decode() if isinstance(ptx, bytes) else ptx
+        raise CompileError(f"kernels {label}: no ptxas report in the log:\n{log}")
+    return parsed, cubin, ptx.decode() if isinstance(ptx, bytes) else ptx, seconds
+
+
+def compile_jobs(jobs) -> list[tuple[list[KernelReport], bytes]]:
+    """(reports, cubin) of every (dtype, arch, variant) job, compiled
+    concurrently (NVRTC runs outside the GIL), in the jobs' order."""
+    jobs = list(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda job: compile_module(*job), jobs))
 
 
 def compile_matrix(archs=DEFAULT_ARCHS, dtypes=SUPPORTED_DTYPES, variants=VARIANTS) -> list[KernelReport]:
     """Every (arch, dtype, variant) module, compiled concurrently (NVRTC runs
     outside the GIL), reported in a fixed order."""
     jobs = [(dtype, arch, variant) for arch in archs for dtype in dtypes for variant in variants]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
-        results = list(pool.map(lambda job: compile_module(*job)[0], jobs))
-    return [r for reports in results for r in reports]
+    return [r for reports, _ in compile_jobs(jobs) for r in reports]
 
 
 def format_table(reports: list[KernelReport]) -> str:

@@ -1,0 +1,582 @@
+"""What the kernels' machine code predicts, per kernel: local memory, the
+width of each global access, CALLs in the hot loop, and a static
+issue/memory model. Predicted from the SASS of the cubins
+``compile_check`` builds (no GPU), not measured.
+
+The issue/memory model
+----------------------
+For each kernel, one thread of the default launch is walked through the
+SASS (``sass_walk.walk``): the launch's real arguments and shape (recorded
+from ``primitives.cuda_impl``, which builds them for a GPU launch) sit in
+constant bank 0, so the walk goes round each loop as often as that thread
+does (the grid-stride loops once: the default launch is one tile per
+thread), takes the in-bounds side of every bounds test, and takes a math
+routine's fast path where a branch depends on data (``sass_walk._policy``).
+Every instruction on the path counts, predicated or not. The 8-bit kernels'
+loops over the columns of their block run their real count too (128, or 32
+when ptxas unrolled by 4), not once. The walked thread is lane 5 of an
+in-bounds warp of an [8, 65536] problem (``launch_for``). Then, per element
+(the thread's tile: pack width N x packs per thread; the 8-bit kernels'
+128-column blocks, 64 h columns per block when interleaved)::
+
+    issue time  = instr_per_elem / 32 / (SMs * 4 * clock)     4 schedulers, 1 warp instruction/clock each
+    MUFU time   = mufu_per_elem / (SMs * 16 * clock)          16 MUFU lanes/clock/SM
+    memory time = bytes_per_elem / DRAM bandwidth
+    ratio       = max(issue time, MUFU time) / memory time
+
+A ratio under 1 says the part's DRAM, not instruction issue, bounds the
+kernel; the goals (``goal_for``) keep headroom under it. Assumptions: a warp is
+converged and all its lanes take the walked path; no stall is modelled
+(latency, dependencies, memory-pipe throughput: it is a bound on issue, not a
+time); fp64 math issues like fp32 (the fp64 kernels are the checking dtype,
+not the fast one); every byte moves once between DRAM and the SM (the 8-bit
+forward's second pass over its block hits the cache).
+
+Bytes per element (h column; es = the element size):
+
+- forward: reads gate and up, writes h: 3 es.
+- backward: reads gate, up and dh, writes dgate, dup and h: 6 es. SwiGLU's
+  autograd backward (``launch_swiglu_backward``) passes h, which the MLP's
+  dW3 needs; ``silu_mul``'s backward passes none (5 es there).
+- 8-bit forward (``saved_x12="fp8"``, format in ``primitives/saved_x12.py``):
+  reads gate and up, writes h, the e4m3 x12 (2 B) and the fp32 scales (4 B per
+  128-column block of x12: 1/16 B per h element in both layouts):
+  3 es + 2 + 1/16.
+- 8-bit backward: reads the e4m3 x12 and scales (2 + 1/16 B) and dh, writes
+  dgate, dup and h: 4 es + 2 + 1/16.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from . import sass
+from .sass_walk import Thread, Trace, WalkError, constant_bank, walk
+from .sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, kernel_name,
+                      vector_width)
+from .launch_config import DEFAULT_LAUNCH, PACKS_PER_THREAD, LaunchConfig
+
+
+class ModelError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    arch: str            # the cubin it runs
+    sms: int
+    clock_ghz: float     # boost clock
+    dram_tbs: float      # DRAM bandwidth, TB/s
+
+    def times(self, instr_per_elem: float, mufu_per_elem: float, bytes_per_elem: float
+              ) -> tuple[float, float, float]:
+        """(issue, MUFU, memory) seconds per element over the whole part."""
+        clock = self.clock_ghz * 1e9
+        issue = instr_per_elem / 32 / (self.sms * ISSUE_PER_CLOCK * clock)
+        mufu = mufu_per_elem / (self.sms * MUFU_LANES_PER_CLOCK * clock)
+        memory = bytes_per_elem / (self.dram_tbs * 1e12)
+        return issue, mufu, memory
+
+
+ISSUE_PER_CLOCK = 4          # warp instructions per clock per SM (4 schedulers)
+MUFU_LANES_PER_CLOCK = 16    # MUFU results per clock per SM
+# Published figures (SXM parts, boost clocks).
+PARTS = (Part("A100", "sm_80", 108, 1.41, 2.0), Part("H100", "sm_90", 132, 1.98, 3.35),
+         Part("H200", "sm_90", 132, 1.98, 4.8), Part("B200", "sm_100", 148, 1.9, 8.0))
+PART_BY_NAME = {p.name: p for p in PARTS}
+
+FP8_BLOCK = 128  # columns per scale block (primitives/saved_x12.BLOCK)
+
+
+# ---- the kernel instances ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Instance:
+    kind: str          # "swiglu_forward", "swiglu_backward", "swiglu_forward_fp8", "swiglu_backward_fp8"
+    vectorized: bool
+    packs: int
+
+    @property
+    def fp8(self) -> bool:
+        return self.kind in FP8_KERNEL_KINDS
+
+    @property
+    def direction(self) -> str:
+        return "backward" if "backward" in self.kind else "forward"
+
+
+def instance_of(name: str, variant: KernelVariant = DEFAULT_VARIANT) -> Instance:
+    for kind in (*KERNEL_KINDS, *FP8_KERNEL_KINDS):
+        for vectorized in (True, False):
+            for packs in PACKS_PER_THREAD:
+                if kernel_name(kind, vectorized, packs, variant) == name:
+                    return Instance(kind, vectorized, packs)
+    raise ModelError(f"{name!r} is not a kernel of variant {variant}")
+
+
+def activation_of(variant: KernelVariant):
+    """A GLU spec that runs ``variant`` (the clamp limit and OAI's constants
+    are kernel arguments: any value gives the same machine code)."""
+    from ..activations import GLUActivation
+
+    oai = variant.kind == "oai"
+    return GLUActivation(variant.kind, limit=7.0 if variant.clamp else None, alpha=1.702 if oai else 1.0,
+                         up_offset=1.0 if oai else 0.0, interleaved=variant.interleaved)
+
+
+def bytes_per_element(instance: Instance, dtype: torch.dtype) -> float:
+    """DRAM bytes per h element (see the module docstring)."""
+    es = torch.empty((), dtype=dtype).element_size()
+    scales = 4 / FP8_BLOCK * 2  # 4 B per 128 x12 columns; 2 x12 columns per h element
+    if instance.kind == "swiglu_forward":
+        return 3 * es
+    if instance.kind == "swiglu_backward":
+        return 6 * es
+    if instance.kind == "swiglu_forward_fp8":
+        return 3 * es + 2 + scales
+    return 4 * es + 2 + scales
+
+
+def elements_per_thread(instance: Instance, dtype: torch.dtype, variant: KernelVariant) -> int:
+    """h elements one thread's tile holds."""
+    if instance.fp8:
+        per_block = FP8_BLOCK // 2 if variant.interleaved else FP8_BLOCK
+        return per_block * instance.packs
+    return (vector_width(dtype) if instance.vectorized else 1) * instance.packs
+
+
+# ---- the launch, as the host builds it -----------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """A concrete launch of one kernel and what one thread of it covers."""
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    args: tuple            # numpy scalars, as passed to the kernel
+    elements_per_thread: int
+    bytes_per_element: float
+    thread: tuple[int, int, int] = (5, 0, 0)   # threadIdx of the walked thread
+    block_idx: tuple[int, int, int] = (0, 0, 0)
+
+    def walked(self, lane_offset: int = 0) -> Thread:
+        tx, ty, tz = self.thread
+        return Thread(self.block, self.grid, (tx + lane_offset, ty, tz), self.block_idx)
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def launch(self, name, dtype, device, grid, block, args):
+        self.calls.append((name, tuple(grid), tuple(block), tuple(args)))
+
+
+# The problem the walk launches: wide enough that every pack of the walked
+# thread's tile is in bounds for every instance (4 packs of 128 threads x 8
+# elements; 4 packs of 128 threads x 128-column blocks for the 8-bit kernels).
+MODEL_ROWS = 8
+MODEL_H = 65536
+
+
+def launch_for(name: str, dtype: torch.dtype, variant: KernelVariant = DEFAULT_VARIANT,
+               config: LaunchConfig | None = None) -> KernelLaunch:
+    """The launch of kernel ``name`` that the host code builds for an
+    [8, 65536] problem (65535 for the scalar instances, which the host picks
+    when H is not a multiple of the vector width), with ``config`` (default:
+    ``DEFAULT_LAUNCH`` with the instance's packs per thread). The walked
+    thread is lane 5 of the middle row of blocks, x-block 0."""
+    from ..primitives import cuda_impl, saved_x12
+
+    instance = instance_of(name, variant)
+    config = config or LaunchConfig(instance.packs, DEFAULT_LAUNCH.threads_per_block, DEFAULT_LAUNCH.grid_waves)
+    spec = activation_of(variant)
+    H = MODEL_H if instance.vectorized or instance.fp8 else MODEL_H - 1
+    M = MODEL_ROWS
+    rec = _Recorder()
+    x12 = torch.empty((M, 2 * H), dtype=dtype)
+    dh = torch.empty((M, H), dtype=dtype)
+    if instance.kind == "swiglu_forward":
+        cuda_impl.launch_swiglu_forward(x12, None, launcher=rec, launch_config=config, activation=spec)
+    elif instance.kind == "swiglu_backward":
+        cuda_impl.launch_swiglu_backward(x12, dh, None, launcher=rec, launch_config=config, activation=spec)
+    elif instance.kind == "swiglu_forward_fp8":
+        cuda_impl.launch_swiglu_forward_fp8(x12, launcher=rec, launch_config=config, activation=spec)
+    else:
+        saved = saved_x12.new_saved(M, H, variant.interleaved, "cpu")
+        cuda_impl.launch_swiglu_backward_fp8(saved, dh, launcher=rec, launch_config=config, activation=spec)
+    if len(rec.calls) != 1 or rec.calls[0][0] != name:
+        raise ModelError(f"the host launched {[c[0] for c in rec.calls]} for {name} (dtype {dtype})")
+    _, grid, block, args = rec.calls[0]
+    by = grid[1] // 2
+    return KernelLaunch(grid, block, args, elements_per_thread(instance, dtype, variant),
+                        bytes_per_element(instance, dtype), thread=(5, block[1] - 1, 0), block_idx=(0, by, 0))
+
+
+def pack_params(args, layout: sass.ParamLayout | None = None) -> bytes:
+    """The argument bytes as the kernel sees them (each aligned to its size;
+    checked against the cubin's own parameter table when given)."""
+    out = bytearray()
+    offsets = []
+    for a in args:
+        raw = np.asarray(a).tobytes() if isinstance(a, np.generic) else struct.pack("<q", int(a))
+        out += bytes(-len(out) % len(raw))
+        offsets.append((len(out), len(raw)))
+        out += raw
+    if layout is not None and layout.params and tuple(offsets) != layout.params:
+        raise ModelError(f"kernel arguments {offsets} do not match the cubin's parameters {layout.params}")
+    return bytes(out)
+
+
+# ---- the analysis of one kernel ------------------------------------------------------------
+
+@dataclass
+class Prediction:
+    """The model's figures for one kernel on one part."""
+    part: str
+    issue_ratio: float      # issue time / memory time
+    mufu_ratio: float       # MUFU time / memory time
+
+    @property
+    def ratio(self) -> float:
+        return max(self.issue_ratio, self.mufu_ratio)
+
+
+
+@dataclass
+class KernelCode:
+    """What one kernel's machine code says (static) and predicts (the walk)."""
+    kernel: str
+    arch: str
+    variant: KernelVariant | None = None
+    dtype: torch.dtype | None = None
+    registers: int | None = None
+    stack_bytes: int = 0
+    spill_bytes: int = 0
+    local_accesses: list[str] = field(default_factory=list)    # LDL/STL instructions
+    hot_loop_accesses: Counter = field(default_factory=Counter)  # "LDG.E.128" -> count in the hot loop
+    all_accesses: Counter = field(default_factory=Counter)
+    hot_loop_calls: int = 0
+    calls: int = 0
+    hot_loops: int = 0
+    # the walk (None when no launch was given)
+    instructions: int | None = None
+    elements: int | None = None
+    mufu: int | None = None
+    bytes_per_element: float | None = None
+    walked_bytes_per_element: float | None = None   # distinct bytes the walked thread touched
+    sector_efficiency: float | None = None           # useful / moved bytes of a warp's accesses
+    policy_branches: int = 0
+    unmodelled: list[str] = field(default_factory=list)  # integer opcodes on the path the walk cannot evaluate
+    predictions: dict[str, Prediction] = field(default_factory=dict)
+    walk_error: str | None = None
+
+    @property
+    def instr_per_element(self) -> float | None:
+        return None if self.instructions is None else self.instructions / self.elements
+
+    @property
+    def mufu_per_element(self) -> float | None:
+        return None if self.mufu is None else self.mufu / self.elements
+
+    @property
+    def uses_local_memory(self) -> bool:
+        return bool(self.local_accesses) or self.stack_bytes > 0 or self.spill_bytes > 0
+
+
+def _width_of(name: str) -> int:
+    mods = name.split(".")[1:]
+    for mod in mods:
+        if mod in sass._WIDTH_BY_MOD:
+            return sass._WIDTH_BY_MOD[mod]
+    return 4
+
+
+def _sector_efficiency(a: list, b: list, lane: int) -> float | None:
+    """Useful / moved bytes of the warp's global accesses, with lanes spaced
+    as the two walked neighbours (``lane`` and the next) are (32-byte
+    sectors; both must take the same path)."""
+    if len(a) != len(b) or any(x.pc != y.pc for x, y in zip(a, b)):
+        return None
+    useful = moved = 0
+    for x, y in zip(a, b):
+        if x.address is None or y.address is None:
+            return None
+        stride = y.address - x.address
+        useful += x.width * (1 if stride == 0 else 32)
+        moved += 32 * _warp_sectors((x.address - lane * stride) % 32, stride, x.width)
+    return useful / moved if moved else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _warp_sectors(offset: int, stride: int, width: int) -> int:
+    """32-byte sectors touched by 32 lanes at offset + k * stride, width bytes each."""
+    sectors = set()
+    for k in range(32):
+        start = offset + k * stride
+        sectors.update(range(start // 32, (start + width - 1) // 32 + 1))
+    return len(sectors)
+
+
+def _distinct_bytes(accesses) -> int | None:
+    spans = []
+    for a in accesses:
+        if a.address is None:
+            return None
+        spans.append((a.address, a.address + a.width))
+    spans.sort()
+    total, end = 0, -1
+    for lo, hi in spans:
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def analyze_function(fn: sass.SassFunction, functions: dict[str, sass.SassFunction],
+                     launch: KernelLaunch | None = None, layout: sass.ParamLayout | None = None,
+                     report=None) -> KernelCode:
+    """The static checks' facts and, given a launch, the walk's prediction."""
+    code = KernelCode(fn.name, fn.arch)
+    if report is not None:
+        code.registers, code.stack_bytes = report.registers, report.stack_bytes
+        code.spill_bytes = report.spill_store_bytes + report.spill_load_bytes
+    code.local_accesses = [f"{i.address:#06x} {i.text}" for i in fn.local_accesses]
+    code.hot_loop_accesses = Counter(i.name for i in fn.hot_loop_accesses)
+    code.all_accesses = Counter(i.name for i in fn.global_accesses)
+    code.hot_loop_calls = len(fn.hot_loop_calls)
+    code.calls = len(fn.calls)
+    code.hot_loops = len(fn.hot_loops)
+    if launch is None:
+        return code
+    if layout is None:
+        raise ModelError(f"{fn.name}: no parameter layout in the cubin")
+    params = pack_params(launch.args, layout)
+    try:
+        traces = [walk(fn, functions, constant_bank(fn.arch, launch.walked(k), layout.base, params),
+                       launch.walked(k)) for k in (0, 1)]
+    except WalkError as exc:
+        code.walk_error = str(exc)
+        return code
+    trace: Trace = traces[0]
+    code.instructions = trace.instructions
+    code.elements = launch.elements_per_thread
+    code.mufu = trace.count("MUFU")
+    code.bytes_per_element = launch.bytes_per_element
+    distinct = _distinct_bytes(trace.accesses)
+    code.walked_bytes_per_element = None if distinct is None else distinct / launch.elements_per_thread
+    code.sector_efficiency = _sector_efficiency(traces[0].accesses, traces[1].accesses, launch.walked().lane)
+    code.policy_branches = sum(trace.policy_branches.values())
+    code.unmodelled = sorted(trace.unmodelled)
+    for part in PARTS:
+        if part.arch != fn.arch:
+            continue
+        issue, mufu, memory = part.times(code.instr_per_element, code.mufu_per_element, launch.bytes_per_element)
+        code.predictions[part.name] = Prediction(part.name, issue / memory, mufu / memory)
+    return code
+
+
+def analyze_module(variant: KernelVariant, dtype: torch.dtype, arch: str, cubin: bytes,
+                   reports=(), walk_kernels=None) -> list[KernelCode]:
+    """Every kernel of one compiled module (``compile_check.compile_module``'s
+    cubin and reports), each walked on its default launch (only those
+    ``walk_kernels(name)`` accepts, when given: the static facts are read
+    for all)."""
+    functions = sass.disassemble(cubin)
+    layouts = sass.param_layouts(cubin)
+    by_name = {r.kernel: r for r in reports}
+    out = []
+    for name in sorted(by_name or (n for n in functions if layouts.get(n) is not None)):
+        if name not in functions:
+            raise ModelError(f"{name} is not in the cubin for {variant} {dtype} {arch}")
+        launch = launch_for(name, dtype, variant) if walk_kernels is None or walk_kernels(name) else None
+        code = analyze_function(functions[name], functions, launch, layouts.get(name), by_name.get(name))
+        code.variant, code.dtype = variant, dtype
+        out.append(code)
+    return out
+
+
+# ---- the checks (issue 42): each returns what is wrong, empty when nothing is ----------------
+
+def local_memory_problems(code: KernelCode) -> list[str]:
+    """No local memory: no LDL/STL, and ptxas reports no stack frame or spills."""
+    out = []
+    if code.local_accesses:
+        more = len(code.local_accesses) - 3
+        out.append(f"{len(code.local_accesses)} local memory instructions: {'; '.join(code.local_accesses[:3])}"
+                   + (f"; ... {more} more" if more > 0 else ""))
+    if code.stack_bytes or code.spill_bytes:
+        out.append(f"ptxas: {code.stack_bytes} bytes stack frame, {code.spill_bytes} bytes spilled")
+    return out
+
+
+def access_width_problems(code: KernelCode, vectorized: bool, fp8: bool = False) -> list[str]:
+    """A 16-byte (``_vec_``) instance moves 16 bytes per lane in every global
+    access; the other instances never do (they take any alignment); the
+    8-bit saved x12's kernels make no 1- or 2-byte access per lane in their
+    hot loop (issue 42's coalescing goal)."""
+    out = []
+    if vectorized:
+        narrow = {n: k for n, k in code.all_accesses.items() if _width_of(n) != 16}
+        if narrow or not code.all_accesses:
+            out.append(f"narrower than 16 B in a 16-byte instance: {_widths(Counter(narrow))}")
+    elif not fp8:
+        wide = {n: k for n, k in code.all_accesses.items() if _width_of(n) == 16}
+        if wide:
+            out.append(f"16-byte accesses in an any-alignment instance: {_widths(Counter(wide))}")
+    if fp8:
+        narrow = {n: k for n, k in code.hot_loop_accesses.items() if _width_of(n) < 4}
+        if narrow:
+            out.append(f"1-2 B per lane in the hot loop: {_widths(Counter(narrow))}")
+    return out
+
+
+def hot_loop_call_problems(code: KernelCode) -> list[str]:
+    if code.hot_loop_calls:
+        return [f"{code.hot_loop_calls} CALLs in the hot loop"]
+    if not code.hot_loops:
+        return ["no hot loop found (no loop holds the kernel's stores)"]
+    return []
+
+
+def ratio_problems(code: KernelCode, goal: Goal) -> list[str]:
+    if code.walk_error or code.instructions is None:
+        return [f"no prediction: {code.walk_error or 'not walked'}"]
+    out = []
+    for part in goal.parts:
+        if part not in code.predictions:
+            continue
+        p = code.predictions[part]
+        if p.ratio > goal.max_ratio:
+            out.append(f"{part} issue/memory {p.ratio:.3f} > {goal.max_ratio:.2f} "
+                       f"({code.instr_per_element:.2f} instr/elem, {code.bytes_per_element:g} B/elem)")
+    return out
+
+
+# ---- goals ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Goal:
+    parts: tuple[str, ...]
+    max_ratio: float
+    what: str
+
+
+def goal_for(variant: KernelVariant, dtype: torch.dtype, kernel: str) -> Goal | None:
+    """Issue 42's goal for a kernel's issue/memory ratio on the default
+    launch (``*_vec_p1``, and the 8-bit kernels' ``*_p1``), or None (other
+    instances, and float64, the checking dtype, have no goal)."""
+    if dtype == torch.float64 or not kernel.endswith("_p1"):
+        return None
+    instance = instance_of(kernel, variant)
+    if instance.fp8:
+        parts = ("H100", "B200") if variant == DEFAULT_VARIANT else ("H100",)
+        return Goal(parts, 1.0, "8-bit saved x12 kernels: <= 1.0")
+    if not instance.vectorized:
+        return None
+    if variant == DEFAULT_VARIANT:
+        return Goal(("H100", "B200"), 0.60, "SwiGLU: <= 0.60 on H100 and B200")
+    return Goal(("H100",), 0.80, "other GLU variants: <= 0.80 on H100")
+
+
+# ---- the report ----------------------------------------------------------------------------
+
+REPORT_HEADER = """\
+Predicted from the machine code (SASS of the NVRTC cubins, read with cuobjdump), not measured.
+instr/elem: instructions one thread executes per h element on the default launch
+  (one tile per thread), walked through the SASS with the launch's real arguments:
+  loops run as often as they do for that thread, bounds tests go in bounds, a math
+  routine's data-dependent branch takes its fast path, predicated instructions count.
+B/elem: DRAM bytes per h element (forward 3 es; backward 6 es: it writes h;
+  8-bit forward 3 es + 2 + 1/16, 8-bit backward 4 es + 2 + 1/16).
+<part>: max(issue, MUFU) time / memory time, issue = instr/elem / 32 / (SMs x 4 x clock),
+  MUFU = mufu/elem / (SMs x 16 x clock), memory = B/elem / DRAM bandwidth
+  (A100 108 SMs 1.41 GHz 2.0 TB/s, H100 132/1.98/3.35, H200 132/1.98/4.8, B200 148/1.9/8.0;
+  sm_80 code for A100, sm_90 for H100/H200, sm_100 for B200). Under 1: memory-bound.
+  No stall, latency or cache effect is modelled; a converged warp is assumed.
+local: LDL/STL instructions + ptxas stack/spill bytes. widths: global accesses in the hot
+  loop (the grid-stride loop's body), bytes per lane. sect: useful/moved bytes of the
+  warp's accesses, per instruction (32-byte sectors). CALL: subroutine CALLs in the hot loop."""
+
+
+def _widths(counter: Counter) -> str:
+    parts = Counter()
+    for name, n in counter.items():
+        op = name.split(".")[0]
+        parts[f"{op}{_width_of(name)}"] += n
+    return " ".join(f"{k}x{v}" for k, v in sorted(parts.items()))
+
+
+def format_report(codes: list[KernelCode]) -> str:
+    part_names = [p.name for p in PARTS]
+    header = (f"{'variant':<22} {'dtype':<8} {'arch':<6} {'kernel':<44} {'instr/el':>8} {'mufu/el':>7} "
+              f"{'B/el':>6} " + " ".join(f"{p:>6}" for p in part_names) +
+              f" {'local':>5} {'sect':>5} {'CALL':>4}  widths")
+    lines = [REPORT_HEADER, "", header, "-" * len(header)]
+    for c in codes:
+        variant = "silu (SwiGLU)" if c.variant == DEFAULT_VARIANT else (c.variant.tag if c.variant else "-")
+        dtype = str(c.dtype).replace("torch.", "") if c.dtype is not None else "-"
+        if c.instructions is None:
+            figures = f"{'-':>8} {'-':>7} {'-':>6} " + " ".join(f"{'-':>6}" for _ in part_names)
+        else:
+            ratios = " ".join(f"{c.predictions[p].ratio:>6.2f}" if p in c.predictions else f"{'':>6}"
+                              for p in part_names)
+            figures = (f"{c.instr_per_element:>8.2f} {c.mufu_per_element:>7.3f} {c.bytes_per_element:>6.2f} "
+                       + ratios)
+        local = len(c.local_accesses) + c.stack_bytes + c.spill_bytes
+        sect = "-" if c.sector_efficiency is None else f"{c.sector_efficiency:.0%}"
+        lines.append(f"{variant:<22} {dtype:<8} {c.arch:<6} {c.kernel:<44} {figures} {local:>5} {sect:>5} "
+                     f"{c.hot_loop_calls:>4}  {_widths(c.hot_loop_accesses)}"
+                     + (f"  [walk: {c.walk_error}]" if c.walk_error else ""))
+    return "\n".join(lines)
+
+
+def report_modules(jobs, modules, workers: int | None = None) -> str:
+    """The report of compiled modules: ``jobs`` are (dtype, arch, variant) and
+    ``modules`` their (reports, cubin), as ``compile_check.compile_jobs``
+    returns them, analysed in ``workers`` processes (default: one per CPU).
+    Ends with a summary of the checks and goals."""
+    work = [(variant, dtype, arch, cubin, reports) for (dtype, arch, variant), (reports, cubin) in zip(jobs, modules)]
+    workers = max(1, min(len(work), workers or os.cpu_count() or 1))
+    if workers > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            results = list(pool.map(_analyze_job, work))
+    else:
+        results = [_analyze_job(w) for w in work]
+    codes = [c for module in results for c in module]
+    return format_report(codes) + "\n\n" + summarize(codes)
+
+
+def _analyze_job(work) -> list[KernelCode]:
+    variant, dtype, arch, cubin, reports = work
+    return analyze_module(variant, dtype, arch, cubin, reports)
+
+
+def summarize(codes: list[KernelCode]) -> str:
+    """One line per check: how many kernels break it (the goals of issue 42)."""
+    local = [c for c in codes if local_memory_problems(c)]
+    widths = [c for c in codes if access_width_problems(c, *_width_rule(c))]
+    calls = [c for c in codes if c.hot_loop_calls]
+    over = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None and ratio_problems(c, g)]
+    goals = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None
+             and any(p in c.predictions for p in g.parts)]
+    failed_walks = [c for c in codes if c.walk_error]
+    lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
+             f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
+             f"{len(calls)} CALL a subroutine in the hot loop; {len(over)} of {len(goals)} default-launch "
+             f"kernels exceed their issue/memory goal" + (f"; {len(failed_walks)} not walked" if failed_walks else "")]
+    return "\n".join(lines)
+
+
+def _width_rule(code: KernelCode) -> tuple[bool, bool]:
+    """(vectorized, fp8) of a project kernel, for ``access_width_problems``."""
+    instance = instance_of(code.kernel, code.variant)
+    return instance.vectorized, instance.fp8
