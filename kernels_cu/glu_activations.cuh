@@ -38,10 +38,9 @@ struct PlainUp {
 struct SiluAct : PlainUp {  // SwiGLU
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams&) { return g * sigmoid_acc(g); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams&, acc_t& a, acc_t& da) {
-        acc_t s, c;
-        sigmoid_and_complement(g, s, c);
+        const acc_t s = sigmoid_acc(g);
         a = g * s;
-        da = s * (acc_t(1) + g * c);
+        da = s * (acc_t(1) + g * (acc_t(1) - s));
     }
 };
 
@@ -51,10 +50,9 @@ struct OaiAct {
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams& p) { return g * sigmoid_acc(g * p.alpha); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams& p, acc_t& a, acc_t& da) {
         const acc_t z = g * p.alpha;
-        acc_t s, c;
-        sigmoid_and_complement(z, s, c);
+        const acc_t s = sigmoid_acc(z);
         a = g * s;
-        da = s * (acc_t(1) + z * c);
+        da = s * (acc_t(1) + z * (acc_t(1) - s));
     }
 };
 
@@ -104,9 +102,8 @@ struct ReluAct : PlainUp {
 struct SigmoidAct : PlainUp {
     static __device__ __forceinline__ acc_t value(acc_t g, const GluParams&) { return sigmoid_acc(g); }
     static __device__ __forceinline__ void value_and_grad(acc_t g, const GluParams&, acc_t& a, acc_t& da) {
-        acc_t c;
-        sigmoid_and_complement(g, a, c);
-        da = a * c;
+        a = sigmoid_acc(g);
+        da = a * (acc_t(1) - a);
     }
 };
 

@@ -91,10 +91,13 @@ __device__ __forceinline__ double rcp_acc(double v) { return 1.0 / v; }  // fp64
 // reciprocal gives exactly 0, so no branch is needed for stability.
 __device__ __forceinline__ acc_t sigmoid_acc(acc_t g) { return rcp_acc(acc_t(1) + exp_acc(-g)); }
 
-// s = sigmoid(g) and c = 1 - s, each within a few ulps for the derivatives:
-// 1 - s cancels where s nears 1, and there (e^-g <= 1) c = e^-g * s exactly
-// in real numbers; elsewhere s <= 1/2 and 1 - s is exact to rounding. A
-// select, not a branch.
+// s = sigmoid(g) and c = 1 - s, each within a few ulps: 1 - s cancels where
+// s nears 1, and there (e^-g <= 1) c = e^-g * s exactly in real numbers;
+// elsewhere s <= 1/2 and 1 - s is exact to rounding. A select, not a branch.
+// GELU-tanh's derivative needs it (its 2 g s (1 - s) slope grows like g^3);
+// SiLU, OAI and GLU take 1 - s, whose absolute error (an ulp of 1) their
+// g-linear terms keep inside the bound, at two registers less per element
+// (the complement made SwiGLU's 2-pack backward spill on sm_100).
 __device__ __forceinline__ void sigmoid_and_complement(acc_t g, acc_t& s, acc_t& c) {
     const acc_t e = exp_acc(-g);
     s = rcp_acc(acc_t(1) + e);

@@ -48,7 +48,7 @@ def _exp(x: np.ndarray, fp32_storage: bool, err: int) -> np.ndarray:
 
 
 def _sigmoid_and_complement(z, fp32_storage, exp_err, rcp_err):
-    """swiglu_common.cuh's sigmoid_and_complement: s and 1 - s."""
+    """swiglu_common.cuh's sigmoid_and_complement: s and 1 - s (e * s where e <= 1)."""
     e = _exp((-z).astype(F32), fp32_storage, exp_err)
     s = _move((1.0 / (F32(1) + e).astype(F32).astype(np.float64)).astype(F32), rcp_err)
     with np.errstate(invalid="ignore"):
@@ -61,6 +61,8 @@ def device_activation(kind: str, g: np.ndarray, fp32_storage: bool, exp_err: int
     one = F32(1)
     z = sigmoid_argument(kind, g)
     s, c = _sigmoid_and_complement(z, fp32_storage, exp_err, rcp_err)
+    if kind != "gelu_tanh":  # only GELU-tanh takes the complement; the others compute 1 - s
+        c = (one - s).astype(F32)
     if kind in ("silu", "oai"):
         return (g * s).astype(F32), (s * (one + z * c)).astype(F32)
     if kind == "gelu_tanh":

@@ -196,7 +196,7 @@ def test_the_8bit_walk_covers_whole_blocks():
 @needs_cuobjdump
 def test_cli_compile_report(capsys, monkeypatch):
     """``compile --report`` prints the predicted table with its header."""
-    from swiglu_cupy import cli
+    from swiglu_cupy import subcommands as cli
 
     # Serve the session's compiles (the CLI would compile the same modules again).
     monkeypatch.setattr(compile_check, "compile_jobs",
