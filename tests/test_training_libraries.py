@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.abc
+import importlib.machinery
 import inspect
 import sys
 from pathlib import Path
@@ -286,18 +288,34 @@ def import_torchtune(*more: str):
     return module
 
 
+class _StandInFinder(importlib.abc.MetaPathFinder):
+    """Finds the stand-ins of tests/stand_ins for ``names`` only: putting the
+    folder on ``sys.path`` would also shadow an installed package that has a
+    stand-in there (torchvision beside torch 2.14, which torchmetrics then
+    failed to import ``torchvision.models`` from)."""
+
+    def __init__(self, names):
+        self.names = set(names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.partition(".")[0] not in self.names:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, path if "." in fullname else [str(STAND_INS)])
+
+
 @contextlib.contextmanager
 def stand_ins_for_import(names):
-    """Put tests/stand_ins on ``sys.path`` for those of ``names`` that are not
-    installed, and take them out of ``sys.path`` and ``sys.modules`` after."""
+    """Serve the stand-ins (tests/stand_ins) of those of ``names`` that are
+    not installed, and take them out of ``sys.modules`` after."""
     missing = [n for n in names if importlib.util.find_spec(n) is None]
+    finder = _StandInFinder(missing)
     if missing:
-        sys.path.insert(0, str(STAND_INS))
+        sys.meta_path.insert(0, finder)
     try:
         yield
     finally:
         if missing:
-            sys.path.remove(str(STAND_INS))
+            sys.meta_path.remove(finder)
             for name in [m for m in sys.modules if m.split(".")[0] in missing]:
                 del sys.modules[name]
 
