@@ -55,6 +55,7 @@ FILES = {
     "test_selfcheck.py": "quick",
     "test_host_exec.py": "extended",
     "test_compile_check.py": "compile_matrix",
+    "test_machine_code.py": "compile_matrix",   # SASS of the NVRTC modules test_compile_check compiles
     "test_activation_math.py": "extended",       # the device math model over every 16-bit value (~35 s)
     "test_host_executor.py": "extended",         # the cooperative executor (a subprocess, a fiber build)
     "test_cuda.py": "extended",                  # marked gpu: skipped without one
@@ -159,6 +160,11 @@ TESTS = {
                           "test_default_launch_shape_is_unchanged": "quick"},
     "test_compile_check.py": {"test_parse_ptxas_log": "quick",
                               "test_launch_candidates_only_use_compiled_instances_and_block_sizes": "quick"},
+    "test_machine_code.py": {name: "quick" for name in (   # the SASS parser and walk on small inputs
+        "test_every_known_failure_names_a_real_kernel", "test_parse_instructions",
+        "test_structure_of_parsed_function", "test_sm80_loop_exit_call_is_a_jump_not_a_call",
+        "test_parse_param_layout", "test_walk_runs_loops_by_their_counter_and_takes_the_fast_path",
+        "test_integer_semantics", "test_driver_constants_by_arch")},
     "test_patch.py": {"test_every_entry_reaches_in_random_nests_of_containers_and_blocks_what_patch_reaches":
                       "extended",
                       "test_hf_family_parity_with_checkpointing[gemma2]": "extended",

@@ -170,14 +170,8 @@ def silu_mul(gate, up, activation="silu"):
     return SiluMulFunction.apply(gate, up, spec)
 
 
-@torch.compiler.assume_constant_result
 def _dtensor_class():
-    """DTensor, if torch.distributed.tensor is loaded (else no tensor can be one).
-    A constant to torch.compile and export: traced, ``sys.modules.get`` made
-    dynamo wrap and iterate the whole of ``sys.modules``, which failed with
-    "dictionary changed size during iteration" when it changed meanwhile (and
-    guarded the graph on it). A DTensor argument is a new input type, so the
-    graph is traced again, and this called again, whenever one comes in."""
+    """DTensor, if torch.distributed.tensor is loaded (else no tensor can be one)."""
     return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
