@@ -35,7 +35,7 @@ def _cmd_compile(args: argparse.Namespace) -> int:
         print(f"SPILL: {r.kernel} [{r.dtype}, {r.arch}] stores={r.spill_store_bytes} "
               f"loads={r.spill_load_bytes}", file=sys.stderr)
     if args.report:
-        from .kernels.machine_code import report_modules
+        from .tools.machine_code import report_modules
 
         try:
             print("\n" + report_modules(jobs, modules))

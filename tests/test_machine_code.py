@@ -33,7 +33,8 @@ import nvrtc_modules
 import pytest
 import torch
 
-from swiglu_cupy.kernels import compile_check, machine_code as mc, sass, sass_walk
+from swiglu_cupy.kernels import compile_check, sass, sass_walk
+from swiglu_cupy.tools import machine_code as mc
 from swiglu_cupy.kernels.cuda_headers import cuda_tool
 from swiglu_cupy.kernels.sources import (DEFAULT_ARCHS, DEFAULT_VARIANT, SUPPORTED_DTYPES, VARIANTS, KernelVariant,
                                          kernel_names, variant_of_kernel)

@@ -57,11 +57,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from . import sass
-from .sass_walk import Thread, Trace, WalkError, constant_bank, walk
-from .sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, kernel_name,
+from ..kernels import sass
+from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
+from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, kernel_name,
                       vector_width)
-from .launch_config import DEFAULT_LAUNCH, PACKS_PER_THREAD, LaunchConfig
+from ..kernels.launch_config import DEFAULT_LAUNCH, PACKS_PER_THREAD, LaunchConfig
 
 
 class ModelError(RuntimeError):
