@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 import warnings
 
 import torch
 from torch import nn
 
 from ..activations import GLUActivation
+from ..kernels.launch import strict_mode
 from .plan_runner import _zero3, fusion_of, run_plan
 from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
@@ -233,10 +233,17 @@ def _resolve_pending(module: FusedGLUMLP) -> str | None:
     if plan is None:
         message = (f"swiglu_cupy: a {module._swiglu_base.__name__} patched on the meta device (or partitioned by "
                    f"ZeRO-3) was checked at its first forward and runs its original forward: {reason}")
-        if os.environ.get("SWIGLU_CUPY_STRICT", "") not in ("", "0"):
-            raise RuntimeError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        refuse_at_first_forward(message, stacklevel=4)
     return reason
+
+
+def refuse_at_first_forward(message: str, stacklevel: int) -> None:
+    """A module decided at its first forward keeps its original forward:
+    warn (``stacklevel`` counted from the caller of this function's caller
+    frame, as ``warnings.warn``'s), or raise under ``SWIGLU_CUPY_STRICT=1``."""
+    if strict_mode():
+        raise RuntimeError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 # ---- classes verified as a whole (hf.apply_to) ----------------------------------------------

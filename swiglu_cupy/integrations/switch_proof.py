@@ -17,13 +17,11 @@ makes it an error)."""
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
 from torch import nn
 
-from .fused import switched_base, unmaterialised
+from .fused import refuse_at_first_forward, switched_base, unmaterialised
 from .plan_runner import is_dtensor
 from .probe import describe_error
 from .recognition import rows_agree
@@ -103,9 +101,7 @@ def _settle_now(module: nn.Module) -> str | None:
     module._swiglu_cupy_proof = reason
     message = (f"swiglu_cupy: a {switched_base(module).__name__} switched on the meta device (or with sharded "
                f"weights) was checked at its first forward and runs its original forward: {reason}")
-    if os.environ.get("SWIGLU_CUPY_STRICT", "") not in ("", "0"):
-        raise RuntimeError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    refuse_at_first_forward(message, stacklevel=5)
     return reason
 
 
