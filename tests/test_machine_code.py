@@ -195,6 +195,26 @@ def test_the_8bit_walk_covers_whole_blocks():
 
 
 @needs_cuobjdump
+def test_disassembly_finds_the_wheels_nvdisasm(monkeypatch, tmp_path):
+    """``cuobjdump -sass`` runs nvdisasm from PATH: with a PATH that holds
+    none (a fresh venv with no system toolkit, as in CI), the wheel's is used."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("NVDISASM_PATH", raising=False)
+    _, cubin = compile_check.compile_source(PLANTED, "sm_90")
+    assert "planted_clean" in sass.disassemble(cubin)
+
+
+def test_missing_nvdisasm_is_named(monkeypatch):
+    """Without nvdisasm the error says what to install, not cuobjdump's own message."""
+    real = sass.cuda_tool
+    monkeypatch.setattr(sass, "cuda_tool", lambda name: None if name == "nvdisasm" else real(name))
+    if real("cuobjdump") is None:
+        pytest.skip("cuobjdump not installed")
+    with pytest.raises(sass.SassError, match="pip install nvidia-cuda-nvdisasm"):
+        sass.disassemble(b"not a cubin")
+
+
+@needs_cuobjdump
 def test_cli_compile_report(capsys, monkeypatch):
     """``compile --report`` prints the predicted table with its header."""
     from swiglu_cupy import subcommands as cli

@@ -10,6 +10,7 @@ goals in ``machine_code.py``.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -408,10 +409,18 @@ def _cuobjdump(cubin: bytes, *flags: str) -> str:
     tool = cuda_tool("cuobjdump")
     if tool is None:
         raise SassError("cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)")
+    env = dict(os.environ)
+    if "-sass" in flags:
+        # cuobjdump -sass runs nvdisasm, found only on PATH or NVDISASM_PATH: hand it the wheel's.
+        disassembler = cuda_tool("nvdisasm")
+        if disassembler is None:
+            raise SassError("nvdisasm not found (cuobjdump -sass runs it): "
+                            "pip install nvidia-cuda-nvdisasm (the test extra has it)")
+        env["PATH"] = os.pathsep.join([str(disassembler.parent), env.get("PATH", "")])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "module.cubin"
         path.write_bytes(cubin)
-        proc = subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True)
+        proc = subprocess.run([str(tool), *flags, str(path)], capture_output=True, text=True, env=env)
     if proc.returncode != 0 or ("Function" not in proc.stdout and "Function" not in proc.stderr
                                 and ".nv.info" not in proc.stdout):
         raise SassError(f"cuobjdump {' '.join(flags)} failed ({proc.returncode}): {proc.stderr.strip()}")
