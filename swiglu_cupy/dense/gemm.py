@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._torch_compat import is_transformed
+from .._torch_compat import is_functorch_wrapped
 
 
 def functional(t: torch.Tensor) -> bool:
     """Use out=-free ops: a tracer (torch.compile / torch.export / ONNX) records
     this call, or ``t`` carries a torch.func transform (out= buffers cannot
     hold a vmap batch)."""
-    return torch.compiler.is_compiling() or is_transformed(t)
+    return torch.compiler.is_compiling() or is_functorch_wrapped(t)
 
 
 def linear_2d(inp: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -79,9 +79,9 @@ LAUNCH_CANDIDATES = tuple(LaunchConfig(p, t, w) for p, t, w in
 _current = contextvars.ContextVar("swiglu_cupy_launch_config", default=DEFAULT_LAUNCH)
 
 
-def current_launch_config() -> LaunchConfig:
-    """The config kernel launches use when none is passed explicitly."""
-    return _current.get()
+#: ``current_launch_config()``: the config kernel launches use when none is
+#: passed explicitly (the ContextVar's own getter: no Python frame per launch).
+current_launch_config = _current.get
 
 
 @contextlib.contextmanager

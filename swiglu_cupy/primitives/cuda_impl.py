@@ -28,7 +28,7 @@ import torch
 
 from ..kernels.launch import cupy_launcher, device_index, i64, pointer
 from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
-from .._torch_compat import clamp_gradient_at_bound
+from .. import _torch_compat
 from .._validation import check_fp8_compute_dtype
 from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
@@ -51,11 +51,14 @@ def _leading_dim(t: torch.Tensor) -> int:
 
 def choose_vector_width(dtype: torch.dtype, H: int, *tensors: torch.Tensor) -> int:
     """16-byte accesses when every row start is 16-byte aligned, else 1."""
-    vec = vector_width(dtype)
+    return _vector_width(vector_width(dtype), H, tensors)
+
+
+def _vector_width(vec: int, H: int, tensors) -> int:
     if H % vec:
         return 1
     for t in tensors:
-        if t.data_ptr() % 16 or _leading_dim(t) % vec:
+        if t.data_ptr() % 16 or (t.stride(0) if t.shape[0] > 1 else H) % vec:
             return 1
     return vec
 
@@ -81,8 +84,8 @@ def launch_shape(M: int, H: int, vec: int, config: LaunchConfig, sm_count: int
     block_y = config.threads_per_block // block_x
     grid_x = -(-packs // (block_x * per_thread))
     grid_y = min(-(-M // block_y), MAX_GRID_Y)
-    cap = config.max_blocks(sm_count)
-    if cap is not None:
+    if config.grid_waves is not None:
+        cap = config.max_blocks(sm_count)
         grid_x = min(grid_x, cap)
         grid_y = max(1, min(grid_y, cap // grid_x))
     return (grid_x, grid_y, 1), (block_x, block_y, 1)
@@ -97,20 +100,50 @@ def effective_launch_config(config: LaunchConfig, variant) -> LaunchConfig:
     return dataclasses.replace(config, threads_per_block=limit)
 
 
-def _launch(launcher, config: LaunchConfig | None, kind: str, vec: int, ref: torch.Tensor,
-            M: int, H: int, args, activation: GLUActivation) -> None:
-    if M == 0 or H == 0:
-        return  # an empty grid is a CUDA launch error; there is nothing to do
+@dataclasses.dataclass(frozen=True, eq=False)
+class LaunchPlan:
+    """What a launch of one kernel kind needs that does not depend on the
+    tensors: built once per (kind, GLU spec, dtype, launch config, clamp
+    rule) by :func:`launch_plan`, so a call only looks it up, checks its
+    tensors' alignment and computes the grid."""
+    names: tuple[str, str]       # the entry point for (1-element, 16-byte) accesses
+    vec: int                     # elements per 16-byte access in this dtype
+    config: LaunchConfig         # capped to what the instance was compiled for
+    scalar_args: tuple           # (limit, alpha, up_offset, grad_bound) in the math dtype
+    capped: bool                 # whether the grid needs the device's SM count
+
+    def launch(self, launcher, device: torch.device, dtype: torch.dtype, vec: int, M: int, H: int, args) -> None:
+        """One launch over [M, H] (``vec``: 1 or ``self.vec``); nothing for an empty tile."""
+        if M == 0 or H == 0:
+            return  # an empty grid is a CUDA launch error; there is nothing to do
+        grid, block = launch_shape(M, H, vec, self.config, sm_count(device) if self.capped else 0)
+        (launcher or cupy_launcher()).launch(self.names[vec > 1], dtype, device, grid, block,
+                                             (*args, *self.scalar_args))
+
+
+_PLANS: dict[tuple, LaunchPlan] = {}
+
+
+def launch_plan(kind: str, activation: GLUActivation, dtype: torch.dtype, config: LaunchConfig | None
+                ) -> LaunchPlan:
+    """The cached :class:`LaunchPlan` (``config`` None: the current one); the
+    clamps' gradient rule is read at each call (tests switch it)."""
+    key = (kind, activation, dtype, config or current_launch_config(), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS.setdefault(key, _build_plan(*key))
+    return plan
+
+
+def _build_plan(kind, activation, dtype, config, gradient_at_bound) -> LaunchPlan:
     variant = kernel_variant(activation)
-    config = effective_launch_config(config or current_launch_config(), variant)
-    name = kernel_name(kind, vec > 1, config.packs_per_thread, variant)
-    sms = sm_count(ref.device) if config.grid_waves is not None else 0
-    grid, block = launch_shape(M, H, vec, config, sms)
-    (launcher or cupy_launcher()).launch(name, ref.dtype, ref.device, grid, block,
-                                         [*args, *_variant_args(activation, ref.dtype)])
+    config = effective_launch_config(config, variant)
+    names = (kernel_name(kind, False, config.packs_per_thread, variant),
+             kernel_name(kind, True, config.packs_per_thread, variant))
+    return LaunchPlan(names, vector_width(dtype), config,
+                      _scalar_args(activation, dtype is torch.float64, gradient_at_bound), config.grid_waves is not None)
 
 
-@functools.lru_cache(maxsize=256)
 def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: bool) -> tuple:
     """(limit, alpha, up_offset, grad_bound) in the kernels' math dtype (the
     limit and grad_bound are read only by clamped instances, alpha and
@@ -124,54 +157,52 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
     return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
-def _variant_args(activation: GLUActivation, dtype: torch.dtype) -> tuple:
-    return _scalar_args(activation, dtype is torch.float64, clamp_gradient_at_bound())
-
-
 def _launch_forward_kernel(gate, up, h, launcher, config, activation) -> None:
     """h = act(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
     M, H = gate.shape
-    vec = choose_vector_width(gate.dtype, H, gate, up, h)
-    _launch(launcher, config, "swiglu_forward", vec, gate, M, H, [
-        pointer(gate), pointer(up), pointer(h), i64(M), i64(H),
-        i64(_leading_dim(gate)), i64(_leading_dim(up)), i64(_leading_dim(h)),
-    ], activation)
+    plan = launch_plan("swiglu_forward", activation, gate.dtype, config)
+    vec = _vector_width(plan.vec, H, (gate, up, h))
+    one_row = M <= 1
+    plan.launch(launcher, gate.device, gate.dtype, vec, M, H, (
+        np.uint64(gate.data_ptr()), np.uint64(up.data_ptr()), np.uint64(h.data_ptr()), np.int64(M), np.int64(H),
+        np.int64(H if one_row else gate.stride(0)), np.int64(H if one_row else up.stride(0)),
+        np.int64(H if one_row else h.stride(0))))
+
+
+def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
+    """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
+    M, H = gate.shape
+    plan = launch_plan("swiglu_backward", activation, gate.dtype, config)
+    tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
+    vec = _vector_width(plan.vec, H, tensors)
+    h_ptr, h_ld = _h_args(h)
+    plan.launch(launcher, gate.device, gate.dtype, vec, M, H, (
+        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
+        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld))
 
 
 def _h_args(h):
     return (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
 
 
-def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
-    """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
-    M, H = gate.shape
-    tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
-    vec = choose_vector_width(gate.dtype, H, *tensors)
-    h_ptr, h_ld = _h_args(h)
-    _launch(launcher, config, "swiglu_backward", vec, gate, M, H, [
-        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
-        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld,
-    ], activation)
-
-
 def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
     """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
     M, H = h.shape
-    vec = choose_vector_width(x12.dtype, H, x12, h)
-    _launch(launcher, config, "swiglu_forward", vec, x12, M, H, [
-        pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h)),
-    ], activation)
+    plan = launch_plan("swiglu_forward", activation, x12.dtype, config)
+    vec = _vector_width(plan.vec, H, (x12, h))
+    plan.launch(launcher, x12.device, x12.dtype, vec, M, H, (
+        pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h))))
 
 
 def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
     """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
     M, H = dh.shape
-    vec = choose_vector_width(x12.dtype, H, *((x12, dh, dx12) + (() if h is None else (h,))))
+    plan = launch_plan("swiglu_backward", activation, x12.dtype, config)
+    vec = _vector_width(plan.vec, H, (x12, dh, dx12) + (() if h is None else (h,)))
     h_ptr, h_ld = _h_args(h)
-    _launch(launcher, config, "swiglu_backward", vec, x12, M, H, [
+    plan.launch(launcher, x12.device, x12.dtype, vec, M, H, (
         pointer(x12), pointer(dh), pointer(dx12), h_ptr, i64(M), i64(H),
-        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld,
-    ], activation)
+        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld))
 
 
 def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
@@ -187,11 +218,16 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
 def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
                             launcher=None, launch_config: LaunchConfig | None = None,
                             activation: GLUActivation = SILU) -> torch.Tensor:
-    gate, up = _rows_view(gate), _rows_view(up)
-    h = _empty_rows(gate, gate.shape[1]) if out is None else out
-    target = _rows_view(h)
-    _launch_forward_kernel(gate, up, target, launcher, launch_config, activation)
-    _copy_back(target, h)
+    return _forward_halves(_rows_view(gate), _rows_view(up), out, launcher, launch_config, activation)
+
+
+def _forward_halves(gate, up, out, launcher, config, activation) -> torch.Tensor:
+    """h = act(gate) * up into ``out`` (or a new [M, H]); gate and up have unit inner stride."""
+    h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
+    target = h if h.stride(1) == 1 or h.shape[1] <= 1 else h.contiguous()
+    _launch_forward_kernel(gate, up, target, launcher, config, activation)
+    if target is not h:
+        h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
 
 
@@ -216,7 +252,7 @@ def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=
     x12 = _rows_view(x12)
     H = x12.shape[1] // 2
     if not activation.interleaved:
-        return launch_silu_mul_forward(x12[:, :H], x12[:, H:], out, launcher, launch_config, activation)
+        return _forward_halves(x12[:, :H], x12[:, H:], out, launcher, launch_config, activation)
     h = _empty_rows(x12, H) if out is None else out
     target = _rows_view(h)
     _launch_pairs_forward_kernel(x12, target, launcher, launch_config, activation)
@@ -261,8 +297,8 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
     else:
         args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
                 i64(_leading_dim(x12)), *strides]
-    _launch(launcher, launch_config, "swiglu_forward_fp8", 1, x12, M, _blocks_per_thread_row(blocks, activation),
-            args, activation)
+    launch_plan("swiglu_forward_fp8", activation, x12.dtype, launch_config).launch(
+        launcher, x12.device, x12.dtype, 1, M, _blocks_per_thread_row(blocks, activation), args)
     return h, saved
 
 
@@ -286,8 +322,8 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
     else:
         args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
                 i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
-    _launch(launcher, launch_config, "swiglu_backward_fp8", 1, dh, M, _blocks_per_thread_row(blocks, activation),
-            args, activation)
+    launch_plan("swiglu_backward_fp8", activation, dh.dtype, launch_config).launch(
+        launcher, dh.device, dh.dtype, 1, M, _blocks_per_thread_row(blocks, activation), args)
     return dx12, h
 
 

@@ -97,7 +97,8 @@ class CheckResult:
 
 _lock = threading.RLock()   # reentrant: the MoE probe checks the activation module inside its own check
 _results: dict[tuple, CheckResult] = {}     # (launcher, variant, dtype, device) -> result
-_verdicts: dict[tuple, bool] = {}          # (launcher, spec, dtype, device) -> kernels usable
+#: (launcher, spec, dtype, device) -> kernels usable (``run`` reads a True verdict without a call)
+verdicts: dict[tuple, bool] = {}
 
 
 def enabled() -> bool:
@@ -122,7 +123,7 @@ def probe_decision(device: torch.device) -> str:
 def kernels_usable(launcher, spec: GLUActivation, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether this call may run the kernels (``launcher`` None: CuPy's): the
     module's self-check result, checked on its first use."""
-    verdict = _verdicts.get((launcher, spec, dtype, device))
+    verdict = verdicts.get((launcher, spec, dtype, device))
     if verdict is None:
         verdict = _first_use(launcher, spec, dtype, device)
     elif not verdict and strict_mode():
@@ -145,7 +146,7 @@ def _first_use(launcher, spec, dtype, device) -> bool:
                 f"before capture (or set {ENV}=0 to skip the check).")
         result = check_module(launcher, spec, dtype, device)
     ok = result.status != "failed"
-    _verdicts[(launcher, spec, dtype, device)] = ok
+    verdicts[(launcher, spec, dtype, device)] = ok
     if not ok and strict_mode():
         raise SelfCheckError(result.line())
     return ok
@@ -234,7 +235,7 @@ def reset() -> None:
     """Forget every result (tests; a fresh process does the same)."""
     with _lock:
         _results.clear()
-        _verdicts.clear()
+        verdicts.clear()
 
 
 def probe_spec(variant: KernelVariant) -> GLUActivation:

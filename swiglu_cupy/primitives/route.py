@@ -22,7 +22,10 @@ def _route(*tensors: torch.Tensor) -> str:
     if torch.compiler.is_compiling():
         # ONNX has no operator for ours: hand it aten math it can translate.
         return "aten" if torch.onnx.is_in_onnx_export() else "op"
-    return "op" if any(_is_wrapped(t) for t in tensors) else "eager"
+    for t in tensors:
+        if _is_wrapped(t):
+            return "op"
+    return "eager"
 
 
 def forward(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:

@@ -14,7 +14,7 @@ from ..kernels.launch import cuda_kernels_available
 from ..kernels.launch_config import forced_launcher
 from . import cuda_impl as kernels
 from . import saved_x12, torch_impl
-from .first_use_check import kernels_usable
+from .first_use_check import kernels_usable, verdicts
 
 __all__ = ["run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward",
            "run_swiglu_forward_fp8", "run_swiglu_backward_fp8", "h_over_gate", "gate_half", "batch_first"]
@@ -38,17 +38,18 @@ def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, sp
     """The launcher to run the kernels with (None: the CuPy one), or False
     for the torch implementation: also when the module (variant, dtype,
     device, launcher) failed its first-use self-check (``first_use_check``)."""
-    if implementation not in (None, "torch", "kernels"):
-        raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
-    if implementation == "torch":
-        return False
-    forced = forced_launcher()
-    if launcher is not None or forced is not None:
-        chosen = launcher if launcher is not None else forced
-    elif implementation == "kernels" or (x12.is_cuda and cuda_kernels_available()):
-        chosen = None
+    if implementation is None and launcher is None:  # the common call: one verdict lookup
+        chosen = forced_launcher()
+        if chosen is None and not (x12.is_cuda and cuda_kernels_available()):
+            return False
     else:
-        return False
+        if implementation not in (None, "torch", "kernels"):
+            raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
+        if implementation == "torch":
+            return False
+        chosen = launcher if launcher is not None else forced_launcher()
+    if verdicts.get((chosen, spec, x12.dtype, x12.device)):
+        return chosen
     return chosen if kernels_usable(chosen, spec, x12.dtype, x12.device) else False
 
 
