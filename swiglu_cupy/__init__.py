@@ -12,7 +12,7 @@ parallel) and ``tools`` (bench, selftest, info). This module is the face.
 from ._version import __version__
 from .activations import GLUActivation, GPT_OSS, deepseek_v4
 from .dense.api import glu_mul, silu_mul, swiglu, swiglu_unpacked
-from .dense.functions import SiluMulFunction, SwiGLUFunction
+from .dense.functions import SiluMulFunction, SwiGLUFunction, SwiGLUOptions
 from .dense.module import SwiGLU
 from .integrations.patching import PatchReport, patch
 from .kernels.launch import cuda_kernels_available
@@ -20,7 +20,7 @@ from .primitives.first_use_check import warmup
 from .tools.info import info
 from .reference import glu_ffn_reference, glu_reference, silu_mul_reference, swiglu_reference
 
-__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",
+__all__ = ["__version__", "SwiGLU", "SwiGLUFunction", "SwiGLUOptions", "SiluMulFunction", "swiglu", "swiglu_unpacked",
            "swiglu_reference", "silu_mul", "silu_mul_reference", "glu_mul", "glu_reference",
            "glu_ffn_reference", "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup", "info", "patch", "PatchReport",
            "cuda_kernels_available"]

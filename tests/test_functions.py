@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from swiglu_cupy import SiluMulFunction, SwiGLUFunction
+from swiglu_cupy import SiluMulFunction, SwiGLUFunction, SwiGLUOptions
 from swiglu_cupy.activations import GPT_OSS, SILU, GLUActivation
 from swiglu_cupy.reference import glu_ffn_reference, glu_reference, swiglu_reference
 from conftest import zero_filled_shapes
@@ -18,10 +18,10 @@ def _packed(seed=0):
 
 def test_apply_with_every_argument_matches_the_reference():
     x, w12, w3 = _packed()
-    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False, 0, True)
+    y, x12 = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SwiGLUOptions(SILU), False, 0)
     assert torch.allclose(y, swiglu_reference(x, w12, None, w3, None), rtol=1e-5, atol=1e-6)
     assert x12.shape == (5, 2 * H)
-    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, GPT_OSS, False, False, False, False, 0, True)
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SwiGLUOptions(GPT_OSS), False, 0)
     assert torch.allclose(y, glu_ffn_reference(x, w12, None, w3, None, GPT_OSS), rtol=1e-5, atol=1e-6)
 
 
@@ -29,7 +29,7 @@ def test_backward_builds_no_zero_gradient_for_x12():
     """x12 is an output only so that it can be saved: autograd must not
     materialise a zero [M, 2H] gradient for it before every backward."""
     x, w12, w3 = (t.requires_grad_() for t in _packed())
-    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SILU, False, False, False, False, 0, True)
+    y, _ = SwiGLUFunction.apply(x, w12, None, None, None, w3, None, SwiGLUOptions(SILU), False, 0)
     filled = zero_filled_shapes(lambda: y.sum().backward())
     assert (x.shape[0], 2 * H) not in filled, filled
     assert x.grad.abs().sum() > 0 and w12.grad.abs().sum() > 0
@@ -49,7 +49,7 @@ def test_missing_arguments_fail_the_same_way_in_eager_and_under_transforms(trans
     short = lambda x: SwiGLUFunction.apply(x, w12, None, None, None, w3, None)[0]  # noqa: E731
     call = {"eager": short, "vmap": torch.func.vmap(short),
             "grad": torch.func.grad(lambda x: short(x).sum())}[transform]
-    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 14 positional arguments .*got 7"):
+    with pytest.raises(TypeError, match=r"SwiGLUFunction\.apply takes 10 positional arguments .*got 7"):
         call(x)
 
 
@@ -66,3 +66,21 @@ def test_a_function_with_defaults_cannot_use_the_lean_apply():
             @staticmethod
             def forward(x, scale=2.0):
                 return x * scale
+
+
+def test_options_are_checked_once_and_reused():
+    """The API checks a call's settings once: a repeated call reuses the same
+    options object, and a bad value is refused every time (1 is not True)."""
+    from swiglu_cupy.dense import api
+
+    x, w12, w3 = _packed()
+    api.swiglu(x, w12, None, w3, None, recompute_gate_up=True)
+    key = ("silu", True, False, None, True, False)
+    first = api._OPTIONS[key]
+    api.swiglu(x, w12, None, w3, None, recompute_gate_up=True)
+    assert api._OPTIONS[key] is first and first == SwiGLUOptions(SILU, recompute_gate_up=True)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="recompute_gate_up must be a bool"):
+            api.swiglu(x, w12, None, w3, None, recompute_gate_up=1)
+        with pytest.raises(ValueError, match="saved_x12='fp8' cannot be combined with recompute_gate_up"):
+            api.swiglu(x, w12, None, w3, None, recompute_gate_up=True, saved_x12="fp8")

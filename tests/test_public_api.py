@@ -9,7 +9,7 @@ import torch
 
 import swiglu_cupy
 
-FACE = {"__version__", "SwiGLU", "SwiGLUFunction", "SiluMulFunction", "swiglu", "swiglu_unpacked",
+FACE = {"__version__", "SwiGLU", "SwiGLUFunction", "SwiGLUOptions", "SiluMulFunction", "swiglu", "swiglu_unpacked",
         "swiglu_reference", "silu_mul", "silu_mul_reference", "glu_mul", "glu_reference", "glu_ffn_reference",
         "GLUActivation", "GPT_OSS", "deepseek_v4", "warmup", "info", "patch", "PatchReport", "cuda_kernels_available"}
 

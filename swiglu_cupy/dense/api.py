@@ -17,8 +17,8 @@ from .. import _validation as check
 from .._autograd import graph_needed, under_autocast
 from .._tile_size import resolve_tile_rows
 from .._validation import Role
-from ..activations import resolve_activation, resolve_halves_activation
-from .functions import SiluMulFunction, SwiGLUFunction, swiglu_forward_pass
+from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
+from .functions import SiluMulFunction, SwiGLUFunction, SwiGLUOptions, swiglu_forward_pass
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
 
@@ -26,39 +26,54 @@ _W = Role.WEIGHT
 _PACKED_ROLES = {"x": Role.INPUT, "w12": _W, "b12": _W, "w3": _W, "b3": _W}
 _UNPACKED_ROLES = {"x": Role.INPUT, "w1": _W, "b1": _W, "w2": _W, "b2": _W, "w3": _W, "b3": _W}
 _SILU_MUL_ROLES = {"gate": Role.INPUT, "up": Role.INPUT}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _run(args: list, flags: tuple) -> torch.Tensor:
-    """The one place SwiGLUFunction is applied. Under autocast every input is
-    cast to the autocast dtype, like nn.Linear. ``flags``: (activation,
-    recompute_gate_up, inplace_backward, saved_x12_fp8, tile_rows as given,
-    tile_grads_fp32)."""
-    return under_autocast(args[0].device.type, args, lambda args: _forward_or_apply(args, flags))
-
-
-def _forward_or_apply(args: list, flags: tuple) -> torch.Tensor:
-    x, w3 = args[0], args[5]
-    *modes, tile_rows, tile_grads_fp32 = flags
+def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
+    """The one place SwiGLUFunction is applied (``tile_rows`` as given). Under
+    autocast every input is first cast to the autocast dtype, like nn.Linear,
+    and the Function runs with autocast off (it picks its own precision)."""
+    x = args[0]
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return under_autocast(device_type, args, lambda cast: _run(cast, options, tile_rows))
     # Untiled (the default) costs nothing more on this per-call path.
-    tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1), w3.shape[1],
-                                                         x.dtype)
+    tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
+                                                         args[5].shape[1], x.dtype)
     if graph_needed():
-        if modes[3]:
+        if options.saved_x12_fp8:
             check.check_fp8_compute_dtype(x.dtype)
-        return SwiGLUFunction.apply(*args, *modes, not torch.is_grad_enabled(), tile, tile_grads_fp32)[0]
+        return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
-    return swiglu_forward_pass(*args, modes[0], True, False, False, tile)[0]  # inference, eager
+    return swiglu_forward_pass(*args, options.activation, True, False, False, tile)[0]  # inference, eager
 
 
-def _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows=None, tile_grads_fp32=True) -> bool:
-    """Checks the memory modes; returns whether x12 is saved in 8 bits."""
-    if any(type(flag) is not bool for flag in (recompute_gate_up, inplace_backward, tile_grads_fp32)):
-        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
-                          tile_grads_fp32=tile_grads_fp32)
+#: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) -> options,
+#: for arguments already checked: a repeated call skips the checks. Only exact bools and
+#: None/"fp8" reach it (1 == True would otherwise share True's entry).
+_OPTIONS: dict[tuple, SwiGLUOptions] = {}
+
+
+def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+             halves_only: bool) -> SwiGLUOptions:
+    """The call's checked :class:`SwiGLUOptions` (``tile_rows`` is checked here, resolved per call)."""
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
-    return saved_x12 is not None and check.check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
+    exact = (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
+             and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str))
+    key = (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only)
+    options = _OPTIONS.get(key) if exact and activation.__class__ in (str, GLUActivation) else None
+    if options is None:
+        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
+                          tile_grads_fp32=tile_grads_fp32)
+        fp8 = check.check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
+        spec = (resolve_halves_activation(activation, "w1 and w2") if halves_only
+                else resolve_activation(activation))
+        options = SwiGLUOptions(spec, recompute_gate_up, inplace_backward, fp8, tile_grads_fp32)
+        if exact:
+            _OPTIONS[key] = options
+    return options
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -90,10 +105,8 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32)
-    return _run([x, w12, b12, None, None, w3, b3],
-                (resolve_activation(activation), recompute_gate_up, inplace_backward, fp8, tile_rows,
-                 tile_grads_fp32))
+    options = _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32, False)
+    return _run([x, w12, b12, None, None, w3, b3], options, tile_rows)
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -115,10 +128,8 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
     check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    fp8 = _check_modes(recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32)
-    return _run([x, w1, b1, w2, b2, w3, b3],
-                (resolve_halves_activation(activation, "w1 and w2"), recompute_gate_up, inplace_backward, fp8,
-                 tile_rows, tile_grads_fp32))
+    options = _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32, True)
+    return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows)
 
 
 def _from_dlpack_module(array):
@@ -154,7 +165,9 @@ def silu_mul(gate, up, activation="silu"):
         library = _from_dlpack_module(gate)
         h = silu_mul(torch.from_dlpack(gate), torch.from_dlpack(up), spec)
         return library.from_dlpack(h.detach())
-    dtensor = _dtensor_class()
+    # Plain tensors first: no sys.modules read on the hot path (or inside a torch.compile trace).
+    plain = gate.__class__ in _PLAIN_TENSORS and up.__class__ in _PLAIN_TENSORS
+    dtensor = None if plain else _dtensor_class()
     if dtensor is not None and (isinstance(gate, dtensor) or isinstance(up, dtensor)):
         return _silu_mul_shard_by_shard(dtensor, gate, up, spec)
     for name, t in (("gate", gate), ("up", up)):

@@ -19,6 +19,7 @@ validated once by the public API (``api.py``); nothing here checks them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -26,12 +27,28 @@ from torch.autograd.function import once_differentiable
 
 from .._autograd import LeanApplyFunction, mark_saved_only
 from .._torch_compat import is_transformed
+from ..activations import SILU, GLUActivation
 from ..primitives import route
 from ..primitives.run import batch_first
 from . import gemm as _gemm
 from . import tiled_passes
 
-__all__ = ["SwiGLUFunction", "SiluMulFunction"]
+__all__ = ["SwiGLUFunction", "SiluMulFunction", "SwiGLUOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUOptions:
+    """The settings of a ``SwiGLUFunction`` call that are not tensors, decided
+    once by the API and handed down whole (checked there, not here):
+    ``activation`` (a ``GLUActivation``), the memory modes
+    ``recompute_gate_up``, ``inplace_backward`` and ``saved_x12_fp8`` (x12
+    saved in 8 bits; exclusive with the other two), and
+    ``tile_grads_fp32`` (the tiled path's weight-gradient accumulation)."""
+    activation: GLUActivation = SILU
+    recompute_gate_up: bool = False
+    inplace_backward: bool = False
+    saved_x12_fp8: bool = False
+    tile_grads_fp32: bool = True
 
 
 class SwiGLUFunction(LeanApplyFunction):
@@ -39,12 +56,13 @@ class SwiGLUFunction(LeanApplyFunction):
     (5 with separate gate/up weights: dx takes one per half) + one
     elementwise pass.
 
-    ``apply(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up,
-    inplace_backward, saved_x12_fp8, inference, tile_rows, tile_grads_fp32) -> (y, x12)``
-    (all fourteen positional and required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
+    ``apply(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows) -> (y, x12)``
+    (all ten positional and required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
     and return ``y``):
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
       and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
+    - ``options``: a :class:`SwiGLUOptions`, the call's settings, decided once
+      by the API (the fields below):
     - ``activation``: a ``GLUActivation`` (``swiglu_cupy.activations.SILU``
       for SwiGLU); separate weights take halves-layout specs only.
     - ``recompute_gate_up``: save only x and recompute x12 in backward (one
@@ -71,36 +89,34 @@ class SwiGLUFunction(LeanApplyFunction):
     """
 
     @staticmethod
-    def forward(x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8,
-                inference, tile_rows, tile_grads_fp32):
-        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference, _gemm.functional(x),
-                                   saved_x12_fp8, tile_rows)
+    def forward(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
+        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference, _gemm.functional(x),
+                                   options.saved_x12_fp8, tile_rows)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        (x, w1, b1, w2, b2, w3, b3, activation, recompute_gate_up, inplace_backward, saved_x12_fp8, inference,
-         tile_rows, tile_grads_fp32) = inputs
+        x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows = inputs
         mark_saved_only(ctx, output[1])
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
-        ctx.tile_rows, ctx.tile_grads_fp32 = tile_rows, tile_grads_fp32
+        ctx.tile_rows, ctx.tile_grads_fp32 = tile_rows, options.tile_grads_fp32
         if tile_rows:  # x, the weights and the tiles' 8-bit x12 (empty: recomputed per tile)
             ctx.save_for_backward(x, w1, b1, w2, b2, w3, output[1])
-        elif recompute_gate_up:
+        elif options.recompute_gate_up:
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
         else:
             ctx.save_for_backward(x, w1, w2, w3, output[1])
-        ctx.activation = activation
-        ctx.recompute_gate_up = recompute_gate_up
-        ctx.inplace_backward = inplace_backward
-        ctx.saved_x12_fp8 = saved_x12_fp8
+        ctx.activation = options.activation
+        ctx.recompute_gate_up = options.recompute_gate_up
+        ctx.inplace_backward = options.inplace_backward
+        ctx.saved_x12_fp8 = options.saved_x12_fp8
         ctx.backward_done = False
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
-            return (None,) * 14
+            return (None,) * 10
         if ctx.inplace_backward and ctx.backward_done and not ctx.tile_rows:
             raise RuntimeError(
                 "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
@@ -112,7 +128,7 @@ class SwiGLUFunction(LeanApplyFunction):
             grads = tiled_passes.tiled_backward(dy.reshape(-1, w3.shape[0]), x.reshape(-1, x.shape[-1]), w1, b1,
                                                 w2, b2, w3, saved, ctx.activation, ctx.tile_rows,
                                                 ctx.needs_input_grad[:7], ctx.tile_grads_fp32, x.shape)
-            return (*grads,) + (None,) * 7
+            return (*grads,) + (None,) * 3
         if ctx.recompute_gate_up:
             x, w1, b1, w2, b2, w3 = ctx.saved_tensors
             x2d = x.reshape(-1, x.shape[-1])
@@ -144,11 +160,11 @@ class SwiGLUFunction(LeanApplyFunction):
             dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
         if need_b3:
             db3 = dy2d.sum(0)
-        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None, None, None, None, None
+        return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, *spec_and_modes):
-        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), spec_and_modes)
+    def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
+        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), (options, inference, tile_rows))
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,

@@ -9,6 +9,17 @@ from ..activations import resolve_activation
 from .api import swiglu
 
 
+def linear_params(linear: nn.Module) -> tuple:
+    """``(linear.weight, linear.bias)`` read from its parameter registry in
+    one call (a plain ``nn.Linear``'s; anything else the normal way, see
+    :func:`_registered`)."""
+    params = linear._parameters
+    try:
+        return params["weight"], params["bias"]
+    except KeyError:
+        return _registered(linear, "_parameters", "weight"), _registered(linear, "_parameters", "bias")
+
+
 def _registered(module: nn.Module, registry: str, name: str):
     """``getattr(module, name)`` for a registered submodule or parameter, read
     from its registry: nn.Module.__getattr__ costs ~0.6 us a lookup, six per
@@ -81,10 +92,13 @@ class SwiGLU(nn.Module):
             "Use torch.export.export (or torch.compile) instead.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w12, w3 = _registered(self, "_modules", "w12"), _registered(self, "_modules", "w3")
-        return swiglu(x, _registered(w12, "_parameters", "weight"), _registered(w12, "_parameters", "bias"),
-                      _registered(w3, "_parameters", "weight"), _registered(w3, "_parameters", "bias"),
-                      activation=self.activation, recompute_gate_up=self.recompute_gate_up,
+        try:  # the registries directly: nn.Module.__getattr__ costs ~0.6 us a lookup
+            w12, w3 = self._modules["w12"], self._modules["w3"]
+            params12, params3 = w12._parameters, w3._parameters
+            w12, b12, w3, b3 = params12["weight"], params12["bias"], params3["weight"], params3["bias"]
+        except KeyError:  # a parametrization or FSDP1's views replaced a registered entry
+            (w12, b12), (w3, b3) = linear_params(self.w12), linear_params(self.w3)
+        return swiglu(x, w12, b12, w3, b3, activation=self.activation, recompute_gate_up=self.recompute_gate_up,
                       inplace_backward=self.inplace_backward, saved_x12=self.saved_x12, tile_rows=self.tile_rows,
                       tile_grads_fp32=self.tile_grads_fp32)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
-from ..dense.module import _registered
+from ..dense.module import linear_params
 from ..reference import glu_reference
 from .recognition import GLUPlan
 
@@ -78,20 +78,16 @@ def _is_noop(m: nn.Module) -> bool:
     return isinstance(m, DROPOUT_CLASSES) and (m.p == 0 or not m.training)
 
 
-def _params(lin: nn.Module):
-    return _registered(lin, "_parameters", "weight"), _registered(lin, "_parameters", "bias")
-
-
 def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None,
                tile_rows=None):
     """The whole MLP in the fused op, the weights used in place (views)."""
-    wd, bd = _params(mods[plan.down])
+    wd, bd = linear_params(mods[plan.down])
     modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12,
                  tile_rows=tile_rows)
     if plan.packed is None:
-        (wg, bg), (wu, bu) = _params(mods[plan.gate]), _params(mods[plan.up])
+        (wg, bg), (wu, bu) = linear_params(mods[plan.gate]), linear_params(mods[plan.up])
         return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation, **modes)
-    w, b = _params(mods[plan.packed])
+    w, b = linear_params(mods[plan.packed])
     if plan.order in ("gate_first", "interleaved"):
         return swiglu(x, w, b, wd, bd, activation=plan.packed_activation, **modes)
     h = w.shape[0] // 2  # gate last: the row halves as views, up first in storage
@@ -108,9 +104,52 @@ def _split(y: torch.Tensor, order: str):
 
 
 def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
-    """``"mlp"``, ``"activation"`` or None: what ``run_plan`` runs now."""
+    """``"mlp"``, ``"activation"`` or None: what ``run_plan`` runs now.
+    Decided once and kept on the module with the state it was decided on
+    (:func:`_fusion_state`); any change to that state decides again."""
     if plan is None:
         return None
+    state = _fusion_state(module, plan)
+    kept = module.__dict__.get(_FUSION_ATTR)
+    if state is not None and kept is not None and kept[0] == state:
+        return kept[1]
+    fusion = _decide_fusion(module, plan)
+    if state is not None:
+        module.__dict__[_FUSION_ATTR] = (state, fusion)
+    return fusion
+
+
+_FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
+
+
+def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple | None:
+    """Everything the fusion depends on, cheap to read at each call: the plan,
+    each projection's identity, class, instance-level forward and hook
+    handles (a hook added or removed changes them), each module between the
+    product and ``down`` with its mode and rate, and torch's global module
+    hooks. None while DeepSpeed is loaded: whether ZeRO-3 gathers a module is
+    not visible here, so that case decides at every call."""
+    if "deepspeed" in sys.modules:
+        return None
+    mods = module._modules
+    # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
+    state = [plan, global_module_hooks_active()]
+    for name in (plan.packed, plan.gate, plan.up, plan.down):
+        m = mods.get(name) if name else None
+        if m is not None:
+            # A reused id (a child replaced by another) shows the same class, forward and hooks
+            # it was decided on: the decision reads only those.
+            d = m.__dict__
+            state += (id(m), m.__class__, id(d.get("forward")), tuple(d.get("_forward_pre_hooks", ())),
+                      tuple(d.get("_forward_hooks", ())), tuple(d.get("_backward_pre_hooks", ())),
+                      tuple(d.get("_backward_hooks", ())))
+    for name in plan.mid:
+        m = mods.get(name)
+        state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))
+    return tuple(state)
+
+
+def _decide_fusion(module: nn.Module, plan: GLUPlan) -> str:
     mods = module._modules
     lins = _projections(mods, plan)
     gathered = zero3_gathers(module)

@@ -3,7 +3,7 @@ choice and the launch shape, then one call to a launcher (CuPy on a GPU, or
 the host harness in CI). Tensors are passed as raw pointers, never copied
 (except a non-unit inner stride, which the kernels cannot step).
 
-Every primitive reaches the same two kernel kinds through ``_launch_forward_kernel``
+Every primitive reaches the same two kernel kinds through ``_forward_halves``
 and ``_launch_backward_kernel``: gate and up are separate pointers with their own row strides,
 so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:]. An
 interleaved x12 (``activation.interleaved``) has its own entry points
@@ -47,20 +47,6 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 def _leading_dim(t: torch.Tensor) -> int:
     # A single row (or size-1 dims) can report any stride; it is never used to step.
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
-
-
-def choose_vector_width(dtype: torch.dtype, H: int, *tensors: torch.Tensor) -> int:
-    """16-byte accesses when every row start is 16-byte aligned, else 1."""
-    return _vector_width(vector_width(dtype), H, tensors)
-
-
-def _vector_width(vec: int, H: int, tensors) -> int:
-    if H % vec:
-        return 1
-    for t in tensors:
-        if t.data_ptr() % 16 or (t.stride(0) if t.shape[0] > 1 else H) % vec:
-            return 1
-    return vec
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,12 +98,22 @@ class LaunchPlan:
     scalar_args: tuple           # (limit, alpha, up_offset, grad_bound) in the math dtype
     capped: bool                 # whether the grid needs the device's SM count
 
-    def launch(self, launcher, device: torch.device, dtype: torch.dtype, vec: int, M: int, H: int, args) -> None:
-        """One launch over [M, H] (``vec``: 1 or ``self.vec``); nothing for an empty tile."""
+    def launch(self, launcher, ref: torch.Tensor, M: int, H: int, aligned: tuple, args: tuple) -> None:
+        """One launch over [M, H] rows; nothing for an empty tile. The
+        16-byte instance runs when H and every row start of the ``aligned``
+        tensors ([M, H]-shaped, unit inner stride) allow it; ``aligned``
+        empty: the 1-element instance."""
         if M == 0 or H == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
+        vec = self.vec if aligned and H % self.vec == 0 else 1
+        for t in aligned if vec > 1 else ():
+            # A single row can report any stride; it is never used to step.
+            if t.data_ptr() % 16 or (t.stride(0) if M > 1 else H) % vec:
+                vec = 1
+                break
+        device = ref.device
         grid, block = launch_shape(M, H, vec, self.config, sm_count(device) if self.capped else 0)
-        (launcher or cupy_launcher()).launch(self.names[vec > 1], dtype, device, grid, block,
+        (launcher or cupy_launcher()).launch(self.names[vec > 1], ref.dtype, device, grid, block,
                                              (*args, *self.scalar_args))
 
 
@@ -157,26 +153,12 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
     return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
-def _launch_forward_kernel(gate, up, h, launcher, config, activation) -> None:
-    """h = act(gate) * up; all [M, H] with unit inner stride (h may be gate)."""
-    M, H = gate.shape
-    plan = launch_plan("swiglu_forward", activation, gate.dtype, config)
-    vec = _vector_width(plan.vec, H, (gate, up, h))
-    one_row = M <= 1
-    plan.launch(launcher, gate.device, gate.dtype, vec, M, H, (
-        np.uint64(gate.data_ptr()), np.uint64(up.data_ptr()), np.uint64(h.data_ptr()), np.int64(M), np.int64(H),
-        np.int64(H if one_row else gate.stride(0)), np.int64(H if one_row else up.stride(0)),
-        np.int64(H if one_row else h.stride(0))))
-
-
 def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
     """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
     M, H = gate.shape
-    plan = launch_plan("swiglu_backward", activation, gate.dtype, config)
     tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
-    vec = _vector_width(plan.vec, H, tensors)
     h_ptr, h_ld = _h_args(h)
-    plan.launch(launcher, gate.device, gate.dtype, vec, M, H, (
+    launch_plan("swiglu_backward", activation, gate.dtype, config).launch(launcher, gate, M, H, tensors, (
         *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
         *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld))
 
@@ -188,19 +170,16 @@ def _h_args(h):
 def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
     """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
     M, H = h.shape
-    plan = launch_plan("swiglu_forward", activation, x12.dtype, config)
-    vec = _vector_width(plan.vec, H, (x12, h))
-    plan.launch(launcher, x12.device, x12.dtype, vec, M, H, (
+    launch_plan("swiglu_forward", activation, x12.dtype, config).launch(launcher, x12, M, H, (x12, h), (
         pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h))))
 
 
 def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
     """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
     M, H = dh.shape
-    plan = launch_plan("swiglu_backward", activation, x12.dtype, config)
-    vec = _vector_width(plan.vec, H, (x12, dh, dx12) + (() if h is None else (h,)))
     h_ptr, h_ld = _h_args(h)
-    plan.launch(launcher, x12.device, x12.dtype, vec, M, H, (
+    launch_plan("swiglu_backward", activation, x12.dtype, config).launch(
+        launcher, x12, M, H, (x12, dh, dx12) + (() if h is None else (h,)), (
         pointer(x12), pointer(dh), pointer(dx12), h_ptr, i64(M), i64(H),
         i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld))
 
@@ -225,7 +204,12 @@ def _forward_halves(gate, up, out, launcher, config, activation) -> torch.Tensor
     """h = act(gate) * up into ``out`` (or a new [M, H]); gate and up have unit inner stride."""
     h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
     target = h if h.stride(1) == 1 or h.shape[1] <= 1 else h.contiguous()
-    _launch_forward_kernel(gate, up, target, launcher, config, activation)
+    M, H = gate.shape
+    one_row = M <= 1  # a single row's stride is never used to step
+    launch_plan("swiglu_forward", activation, gate.dtype, config).launch(launcher, gate, M, H, (gate, up, target), (
+        np.uint64(gate.data_ptr()), np.uint64(up.data_ptr()), np.uint64(target.data_ptr()), np.int64(M),
+        np.int64(H), np.int64(H if one_row else gate.stride(0)), np.int64(H if one_row else up.stride(0)),
+        np.int64(H if one_row else target.stride(0))))
     if target is not h:
         h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
@@ -298,7 +282,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
         args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
                 i64(_leading_dim(x12)), *strides]
     launch_plan("swiglu_forward_fp8", activation, x12.dtype, launch_config).launch(
-        launcher, x12.device, x12.dtype, 1, M, _blocks_per_thread_row(blocks, activation), args)
+        launcher, x12, M, _blocks_per_thread_row(blocks, activation), (), tuple(args))
     return h, saved
 
 
@@ -323,7 +307,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
         args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
                 i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
     launch_plan("swiglu_backward_fp8", activation, dh.dtype, launch_config).launch(
-        launcher, dh.device, dh.dtype, 1, M, _blocks_per_thread_row(blocks, activation), args)
+        launcher, dh, M, _blocks_per_thread_row(blocks, activation), (), tuple(args))
     return dx12, h
 
 
