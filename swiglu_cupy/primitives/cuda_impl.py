@@ -153,35 +153,45 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
     return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
+def _rows_args(tensors: tuple) -> tuple[list, list]:
+    """Each tensor's data pointer and row stride as kernel arguments (None:
+    a null pointer and stride 0; a single row's stride is its width, never
+    used to step), numpy-typed so exactly 8 bytes go to the kernel."""
+    pointers, strides = [], []
+    for t in tensors:
+        if t is None:
+            pointers.append(np.uint64(0))
+            strides.append(np.int64(0))
+        else:
+            pointers.append(np.uint64(t.data_ptr()))
+            strides.append(np.int64(t.stride(0) if t.shape[0] > 1 else t.shape[1]))
+    return pointers, strides
+
+
 def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
     """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
     M, H = gate.shape
-    tensors = (gate, up, dh, dgate, dup) + (() if h is None else (h,))
-    h_ptr, h_ld = _h_args(h)
-    launch_plan("swiglu_backward", activation, gate.dtype, config).launch(launcher, gate, M, H, tensors, (
-        *(pointer(t) for t in (gate, up, dh, dgate, dup)), h_ptr, i64(M), i64(H),
-        *(i64(_leading_dim(t)) for t in (gate, up, dh, dgate, dup)), h_ld))
-
-
-def _h_args(h):
-    return (np.uint64(0), i64(0)) if h is None else (pointer(h), i64(_leading_dim(h)))
+    pointers, strides = _rows_args((gate, up, dh, dgate, dup, h))
+    launch_plan("swiglu_backward", activation, gate.dtype, config).launch(
+        launcher, gate, M, H, (gate, up, dh, dgate, dup) if h is None else (gate, up, dh, dgate, dup, h),
+        (*pointers, np.int64(M), np.int64(H), *strides))
 
 
 def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
     """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
     M, H = h.shape
-    launch_plan("swiglu_forward", activation, x12.dtype, config).launch(launcher, x12, M, H, (x12, h), (
-        pointer(x12), pointer(h), i64(M), i64(H), i64(_leading_dim(x12)), i64(_leading_dim(h))))
+    pointers, strides = _rows_args((x12, h))
+    launch_plan("swiglu_forward", activation, x12.dtype, config).launch(
+        launcher, x12, M, H, (x12, h), (*pointers, np.int64(M), np.int64(H), *strides))
 
 
 def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
     """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
     M, H = dh.shape
-    h_ptr, h_ld = _h_args(h)
+    pointers, strides = _rows_args((x12, dh, dx12, h))
     launch_plan("swiglu_backward", activation, x12.dtype, config).launch(
-        launcher, x12, M, H, (x12, dh, dx12) + (() if h is None else (h,)), (
-        pointer(x12), pointer(dh), pointer(dx12), h_ptr, i64(M), i64(H),
-        i64(_leading_dim(x12)), i64(_leading_dim(dh)), i64(_leading_dim(dx12)), h_ld))
+        launcher, x12, M, H, (x12, dh, dx12) if h is None else (x12, dh, dx12, h),
+        (*pointers, np.int64(M), np.int64(H), *strides))
 
 
 def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
@@ -205,11 +215,9 @@ def _forward_halves(gate, up, out, launcher, config, activation) -> torch.Tensor
     h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
     target = h if h.stride(1) == 1 or h.shape[1] <= 1 else h.contiguous()
     M, H = gate.shape
-    one_row = M <= 1  # a single row's stride is never used to step
-    launch_plan("swiglu_forward", activation, gate.dtype, config).launch(launcher, gate, M, H, (gate, up, target), (
-        np.uint64(gate.data_ptr()), np.uint64(up.data_ptr()), np.uint64(target.data_ptr()), np.int64(M),
-        np.int64(H), np.int64(H if one_row else gate.stride(0)), np.int64(H if one_row else up.stride(0)),
-        np.int64(H if one_row else target.stride(0))))
+    pointers, strides = _rows_args((gate, up, target))
+    launch_plan("swiglu_forward", activation, gate.dtype, config).launch(
+        launcher, gate, M, H, (gate, up, target), (*pointers, np.int64(M), np.int64(H), *strides))
     if target is not h:
         h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
@@ -249,15 +257,18 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
                            activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     x12, dh = _rows_view(x12), _rows_view(dh)
     H = x12.shape[1] // 2
-    dx12 = torch.empty_like(x12, memory_format=torch.contiguous_format) if dx12_out is None else dx12_out
-    target = _rows_view(dx12)
-    h = _empty_rows(x12, H)
+    if dx12_out is None:
+        dx12 = target = torch.empty_like(x12, memory_format=torch.contiguous_format)
+    else:
+        dx12, target = dx12_out, _rows_view(dx12_out)
+    h = torch.empty((x12.shape[0], H), dtype=x12.dtype, device=x12.device)
     if activation.interleaved:
         _launch_pairs_backward_kernel(x12, dh, target, h, launcher, launch_config, activation)
     else:
         _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher,
                                 launch_config, activation)
-    _copy_back(target, dx12)
+    if target is not dx12:
+        dx12.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return dx12, h
 
 
