@@ -74,6 +74,7 @@ FILES = {
     # tools, CLI, packaging, docs
     "test_public_api.py": "quick",
     "test_live_bytes.py": "quick",
+    "test_host_cost.py": "quick",                # the CUDA route's host path on the CPU (~9 s, transformers' import)
     "test_bench_report.py": "quick",
     "test_bench_contenders.py": "quick",
     "test_bench_measure.py": "quick",
@@ -202,6 +203,7 @@ TESTS = {
     "test_bench_measure.py": {"test_cpu_path_record_per_dtype_and_case": "extended",
                               "test_overhead_record_has_both_modes_and_ratios_to_eager_hf": "extended"},
     "test_bench_cli.py": {"test_resolve_*": "quick"},
+    "test_host_cost.py": {"test_bench_host_cost_quick_prints_every_entry_point_on_both_routes": "extended"},
     "test_bench_sweep.py": {"test_no_recommendation_without_the_default": "quick",
                             "test_estimate_counts_every_timing_and_follows_its_model": "quick"},
     "test_selftest.py": {"test_without_cuda_exits_2_and_runs_nothing": "extended",

@@ -6,11 +6,15 @@ route on CPU tensors with a launcher that does nothing (:class:`NullLauncher`,
 its module self-check recorded as skipped), so what is left is the host path
 a CUDA call takes, measured here in Python frames (deterministic:
 :func:`package_frames`, the frame-budget test) and in time (``bench
---host-cost``). The entry points (:data:`ENTRY_POINTS`) build at decode size.
+--host-cost``). The entry points (:data:`ENTRY_POINTS`) build at any size
+(``bench --host-cost`` uses a decode and a small training shape), each
+compared with its eager reference (:data:`REFERENCES`); :data:`MODES` and
+:func:`mode_step` are the calls timed per entry point.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -22,8 +26,8 @@ from torch import nn
 from ..kernels.launch_config import using_launcher
 from ..primitives import first_use_check
 
-__all__ = ["NullLauncher", "cuda_route", "package_frames", "FrameCount", "ENTRY_POINTS", "build_entry",
-           "EagerGLUMLP", "Unavailable"]
+__all__ = ["NullLauncher", "cuda_route", "package_frames", "FrameCount", "ENTRY_POINTS", "REFERENCES", "MODES",
+           "build_entry", "mode_step", "EagerGLUMLP", "Unavailable"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _THIS_FILE = os.path.abspath(__file__)  # the harness's own frames (the calls it builds) are not the package's
@@ -133,24 +137,29 @@ def _llama_config(D, H, dtype, **extra):
 
 
 def _patched_llama_mlp(D, H, dtype):
+    config = _llama_config(D, H, dtype)  # first: Unavailable without transformers
     from transformers.models.llama.modeling_llama import LlamaMLP
 
     from ..integrations.patching import patch
 
-    holder = nn.Sequential(LlamaMLP(_llama_config(D, H, dtype))).to(dtype)
+    holder = nn.Sequential(LlamaMLP(config)).to(dtype)
     report = patch(holder)
     if list(report.fused) != ["0"]:
         raise RuntimeError(f"LlamaMLP was not fused whole:\n{report}")
     return holder[0], lambda x: holder[0](x)
 
 
-def _patched_experts(D, H, dtype, experts=8, top_k=2):
+def _mixtral_experts(D, H, dtype, patched, experts=8, top_k=2):
+    """transformers' own MixtralExperts (random weights, seeded by
+    :func:`build_entry`), switched to the fused op by ``patch_experts`` when
+    ``patched``, else on transformers' "eager" implementation (its own loop
+    over the experts hit); the call routes each token to ``top_k`` random
+    experts from a generator of its own, seeded alike for both."""
     try:
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts
         from transformers import AutoConfig
     except ImportError as exc:
         raise Unavailable(f"transformers is not installed ({exc})") from exc
-    from ..integrations.hf_experts import patch_experts
 
     config = AutoConfig.for_model("mixtral", hidden_size=D, intermediate_size=H, num_local_experts=experts,
                                   num_experts_per_tok=top_k, num_hidden_layers=1, num_attention_heads=4,
@@ -160,8 +169,13 @@ def _patched_experts(D, H, dtype, experts=8, top_k=2):
     with torch.no_grad():
         for p in holder.parameters():
             p.normal_(0, 0.05)
-    if patch_experts(holder) != 1:
-        raise RuntimeError("the Mixtral experts module was not patched")
+    if patched:
+        from ..integrations.hf_experts import patch_experts
+
+        if patch_experts(holder) != 1:
+            raise RuntimeError("the Mixtral experts module was not patched")
+    else:
+        config._experts_implementation = "eager"  # what a standalone module runs, named (transformers warns on None)
     module = holder[0]
     generator = torch.Generator().manual_seed(0)
 
@@ -174,19 +188,64 @@ def _patched_experts(D, H, dtype, experts=8, top_k=2):
     return module, call
 
 
+def _patched_experts(D, H, dtype):
+    return _mixtral_experts(D, H, dtype, patched=True)
+
+
+def _eager_experts(D, H, dtype):
+    return _mixtral_experts(D, H, dtype, patched=False)
+
+
 def _eager(D, H, dtype):
     module = EagerGLUMLP(D, H, dtype)
     return module, lambda x: module(x)
 
 
-#: name -> builder ``(D, H, dtype) -> (module, call(x))``
+#: name -> builder ``(D, H, dtype) -> (module, call(x))``; ``x`` is ``[tokens, D]``.
 ENTRY_POINTS: dict[str, Callable] = {
     "SwiGLU": _swiglu_module,
     "swiglu": _swiglu_functional,
     "patched LlamaMLP": _patched_llama_mlp,
     "patched experts": _patched_experts,
     "eager MLP": _eager,
+    "eager experts": _eager_experts,
 }
+
+#: Each of the package's entry points -> the eager entry point it is compared with.
+REFERENCES: dict[str, str] = {
+    "SwiGLU": "eager MLP",
+    "swiglu": "eager MLP",
+    "patched LlamaMLP": "eager MLP",
+    "patched experts": "eager experts",
+}
+
+#: The calls timed per entry point -> the grad mode they run under: a forward
+#: with grad (input and weights require grad, the graph is dropped), a forward
+#: and backward, and a forward under no_grad.
+MODES: dict[str, Callable] = {
+    "forward": torch.enable_grad,
+    "forward+backward": torch.enable_grad,
+    "no_grad forward": torch.no_grad,
+}
+
+
+def _forward_backward(module, call, x, dy) -> None:
+    x.grad = None
+    module.zero_grad(set_to_none=True)  # as zero_grad() before a step
+    call(x).backward(dy)
+
+
+def mode_step(mode: str, module: nn.Module, call: Callable, x: torch.Tensor,
+              dy: torch.Tensor) -> Callable[[], object]:
+    """One call of ``mode`` (a key of :data:`MODES`; run it under that grad
+    mode) of an entry point built by :func:`build_entry`, on input ``x`` (set
+    ``requires_grad`` for the modes with grad) and output gradient ``dy``.
+    Its own frames are this file's, which :func:`package_frames` leaves out."""
+    if mode == "forward+backward":
+        return functools.partial(_forward_backward, module, call, x, dy)
+    if mode in MODES:
+        return functools.partial(call, x)
+    raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
 
 
 def build_entry(name: str, D: int, H: int, dtype=torch.float32):

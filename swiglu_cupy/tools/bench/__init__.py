@@ -7,7 +7,9 @@ memory (fwd+bwd and no-grad forward), host overhead per call at a tiny shape
 (with grad and under no_grad, as ratios to eager HF), on the CPU the CPU
 path's ratios to eager HF at a mid-size shape, and the kernels' cold-compile
 and warm-start time in fresh processes. ``--sweep-launch`` times the
-elementwise kernels' launch candidates instead (``sweep``).
+elementwise kernels' launch candidates instead (``sweep``); ``--moe``,
+``--long-context`` and ``--host-cost`` are other measurements in their own
+modules.
 Anything that needs CUDA is recorded as null with the reason on CPU.
 
 One module per job:
@@ -21,6 +23,10 @@ One module per job:
 - ``environment``: versions, device and commit recorded with the results;
 - ``report``: the text table and the PNG;
 - ``sweep``: ``--sweep-launch``, the launch-shape sweep of the kernels;
+- ``moe``: ``--moe``, the MoE experts against transformers' grouped_mm;
+- ``long_context``: ``--long-context``, memory and time against sequence length;
+- ``host_cost``: ``--host-cost``, host time per call of the CUDA route (a
+  do-nothing launcher, ``tools.host_cost``) and the torch route on the CPU;
 - ``bench_command``: arguments, their resolution into shapes and settings, and ``run``.
 
 A new measurement mode gets its own module beside ``measure``, reusing its

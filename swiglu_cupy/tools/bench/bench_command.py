@@ -70,8 +70,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "of 4096; GPU: Llama-3-8B's MLP, bf16, 8k-128k tokens, tiles of 8192; --dim/--hidden, "
                         "--tokens, --dtype and --tile-rows override); writes long_context.json, .txt and .png")
     p.add_argument("--tile-rows", type=_positive_int, help="rows per tile for --long-context")
+    p.add_argument("--host-cost", action="store_true",
+                   help="instead of the comparison: host time per call on the CPU (one thread) of SwiGLU, "
+                        "swiglu, a patched LlamaMLP and patched Mixtral experts against their eager references, "
+                        "on the CUDA route (the kernel path through a do-nothing launcher: a CUDA call's host "
+                        "work without the GPU work) and the torch route side by side, at M=1 (D=64, H=176) and "
+                        "M=64 (D=256, H=704), fp32: forward with grad, forward+backward and no_grad forward, "
+                        "with the package's Python frames per call; --quick: 2 rounds of 2 calls (a look); "
+                        "writes host_cost.json and host_cost.txt")
     p.add_argument("--out", default="bench-results",
-                   help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt)")
+                   help="directory for bench.json, bench.txt and bench.png (sweep.json, sweep.txt; the other "
+                        "modes' files)")
 
 
 def resolve(args: argparse.Namespace) -> tuple[list[Shape], Settings]:
@@ -133,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
     if args.long_context:
         from .long_context import run as run_long_context
         return run_long_context(args)
+    if args.host_cost:
+        from .host_cost import run as run_host_cost
+        return run_host_cost(args)
     try:
         shapes, settings = resolve(args)
     except (ValueError, RuntimeError) as exc:
