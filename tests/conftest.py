@@ -61,6 +61,7 @@ FILES = {
     "test_cuda.py": "extended",                  # marked gpu: skipped without one
     # integrations, single process
     "test_patch.py": "quick",
+    "test_plan_runner.py": "quick",
     "test_hf.py": "quick",
     "test_hf_native.py": "quick",
     "test_peft.py": "quick",

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..activations import GLUActivation
 from ..kernels.launch import strict_mode
-from .plan_runner import _zero3, fusion_of, run_plan
+from .plan_runner import _zero3, fusion_of, run_plan, unproven_dropout_active
 from .probe import choose_plan
 from .recognition import Candidates, GLUPlan, hf_candidates
 
@@ -68,7 +68,7 @@ class FusedGLUMLP(nn.Module):
         if self.swiglu_pending is not None:
             resolve_pending(self)
         plan = self.swiglu_plan
-        if plan is None or args or kwargs:
+        if plan is None or args or kwargs or (plan.dropout_unproven and unproven_dropout_active(self, plan)):
             return super().forward(x, *args, **kwargs)
         return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, saved_x12=self.saved_x12,
                         tile_rows=self.tile_rows)
@@ -80,7 +80,8 @@ class FusedGLUMLP(nn.Module):
     def fusion(self) -> str | None:
         """What the next forward runs: ``"mlp"`` (the whole MLP fused),
         ``"activation"`` (the projections as their own modules, ``act(gate) * up``
-        fused) or None (the original forward)."""
+        fused) or None (the original forward: unfused, or a dropout whose
+        placement was unproven at the probe now drops)."""
         return fusion_of(self, self.swiglu_plan)
 
 

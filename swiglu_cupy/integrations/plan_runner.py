@@ -107,7 +107,7 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     """``"mlp"``, ``"activation"`` or None: what ``run_plan`` runs now.
     Decided once and kept on the module with the state it was decided on
     (:func:`_fusion_state`); any change to that state decides again."""
-    if plan is None:
+    if plan is None or (plan.dropout_unproven and unproven_dropout_active(module, plan)):
         return None
     state = _fusion_state(module, plan)
     kept = module.__dict__.get(_FUSION_ATTR)
@@ -119,34 +119,42 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     return fusion
 
 
+def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
+    """Whether a dropout whose placement the probe could not check now drops:
+    the module must run its own forward (``GLUPlan.dropout_unproven``)."""
+    mods = module._modules
+    for name in plan.dropout_unproven:
+        m = mods[name]
+        if m.training and m.p > 0:
+            return True
+    return False
+
+
 _FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
 
 
 def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple | None:
     """Everything the fusion depends on, cheap to read at each call: the plan,
-    each projection's identity, class, instance-level forward and hook
-    handles (a hook added or removed changes them), each module between the
-    product and ``down`` with its mode and rate, and torch's global module
-    hooks. None while DeepSpeed is loaded: whether ZeRO-3 gathers a module is
-    not visible here, so that case decides at every call."""
+    torch's global module hooks, each projection's identity, class, whether
+    it has a forward of its own or any hook (without ZeRO-3, any hook is an
+    obstacle, whichever it is), and each module between the product and
+    ``down`` with its mode and rate. None while DeepSpeed is loaded: which
+    hooks are ZeRO-3's is not visible here, so that case decides at every call."""
     if "deepspeed" in sys.modules:
         return None
     mods = module._modules
     # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
-    state = [plan, global_module_hooks_active()]
-    for name in (plan.packed, plan.gate, plan.up, plan.down):
-        m = mods.get(name) if name else None
-        if m is not None:
-            # A reused id (a child replaced by another) shows the same class, forward and hooks
-            # it was decided on: the decision reads only those.
-            d = m.__dict__
-            state += (id(m), m.__class__, id(d.get("forward")), tuple(d.get("_forward_pre_hooks", ())),
-                      tuple(d.get("_forward_hooks", ())), tuple(d.get("_backward_pre_hooks", ())),
-                      tuple(d.get("_backward_hooks", ())))
+    state = (plan, global_module_hooks_active())
+    for name in plan.projections:
+        # A reused id (a child replaced by another) shows the class, forward and hooks the
+        # decision reads, which is all it reads.
+        m = mods.get(name)
+        state += (id(m), m.__class__, "forward" in m.__dict__, bool(
+            m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks))
     for name in plan.mid:
         m = mods.get(name)
         state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))
-    return tuple(state)
+    return state
 
 
 def _decide_fusion(module: nn.Module, plan: GLUPlan) -> str:
@@ -160,8 +168,7 @@ def _decide_fusion(module: nn.Module, plan: GLUPlan) -> str:
 
 
 def _projections(mods, plan: GLUPlan) -> list[nn.Module]:
-    return [mods[n] for n in (plan.packed, plan.down) if n] if plan.packed else \
-        [mods[plan.gate], mods[plan.up], mods[plan.down]]
+    return [mods[n] for n in plan.projections]
 
 
 def adopt_zero3(module: nn.Module, plan: GLUPlan) -> bool:

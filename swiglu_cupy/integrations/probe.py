@@ -3,6 +3,7 @@ agree on a probe input (rows large enough to cross any clamp included), or
 the module is left alone with a reason (:func:`choose_plan`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -122,6 +123,7 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
     probe = _Probe(module, cands, own_forward or module.forward)
     if probe.expected is None:
         return None, "could not be probed: its forward failed on a probe input" + describe_error(probe.own_error)
+    misplaced = None
     for plan in cands.plans:
         def reference(x, plan=plan):
             return run_plan(module, x, plan, fused=False)
@@ -132,8 +134,13 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
         if not probe.matches(fused):
             return None, f"the fused op disagrees with its forward ({plan.activation}, {probe.dtype})"
         if not probe.dropout_placement_matches(plan, fused):
-            return None, "dropout placement differs from its forward in training mode"
-        return plan, None
+            misplaced = "dropout placement differs from its forward in training mode"
+            continue  # another candidate may place it where the forward does
+        mods = module._modules
+        unproven = tuple(n for n in (*plan.mid, *plan.post) if isinstance(mods[n], DROPOUT_CLASSES) and mods[n].p == 0)
+        return (dataclasses.replace(plan, dropout_unproven=unproven) if unproven else plan), None
+    if misplaced:
+        return None, misplaced
     kinds = sorted({str(p.activation) for p in cands.plans})
     roles = cands.plans[0].describe().split(" -> ")[0]
     return None, (f"probe mismatch: its forward is not down(act(gate) * up) with the roles its names "

@@ -50,6 +50,15 @@ class GLUPlan:
     order: str = "gate_first"
     mid: tuple[str, ...] = ()
     post: tuple[str, ...] = ()
+    #: Dropouts among ``mid``/``post`` whose placement the probe could not
+    #: check (their rate was 0 then): while any of them drops (training, rate
+    #: > 0) the module runs its own forward, never a guessed placement.
+    dropout_unproven: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def projections(self) -> tuple[str, ...]:
+        """The projections' child names: packed and down, or gate, up and down."""
+        return (self.packed, self.down) if self.packed else (self.gate, self.up, self.down)
 
     @functools.cached_property
     def packed_activation(self) -> GLUActivation:

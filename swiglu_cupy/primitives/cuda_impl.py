@@ -3,11 +3,13 @@ choice and the launch shape, then one call to a launcher (CuPy on a GPU, or
 the host harness in CI). Tensors are passed as raw pointers, never copied
 (except a non-unit inner stride, which the kernels cannot step).
 
-Every primitive reaches the same two kernel kinds through ``_forward_halves``
-and ``_launch_backward_kernel``: gate and up are separate pointers with their own row strides,
-so the packed x12 is simply gate = x12[:, :H], up = x12[:, H:]. An
-interleaved x12 (``activation.interleaved``) has its own entry points
-(``_launch_pairs_*``), which read gate/up pairs from x12 with 16-byte loads.
+Every primitive reaches the same two kernel kinds through one cached
+:class:`LaunchPlan` per kind (``launch_plan``), handed raw pointers and row
+strides (``LaunchPlan.launch_rows``): gate and up are separate pointers with
+their own row strides, so the packed x12 is simply gate = x12's pointer and
+up = the one H elements on (no views are made). An interleaved x12
+(``activation.interleaved``) runs its own entry points, which read gate/up
+pairs from x12 with 16-byte loads.
 
 The GLU variant (``activation``, a ``GLUActivation``) picks the compiled
 instance; its limit, alpha and up_offset, and the clamps' gradient bound (the
@@ -91,44 +93,62 @@ class LaunchPlan:
     """What a launch of one kernel kind needs that does not depend on the
     tensors: built once per (kind, GLU spec, dtype, launch config, clamp
     rule) by :func:`launch_plan`, so a call only looks it up, checks its
-    tensors' alignment and computes the grid."""
+    pointers' alignment and computes the grid."""
     names: tuple[str, str]       # the entry point for (1-element, 16-byte) accesses
     vec: int                     # elements per 16-byte access in this dtype
+    itemsize: int                # bytes per element of this dtype
     config: LaunchConfig         # capped to what the instance was compiled for
     scalar_args: tuple           # (limit, alpha, up_offset, grad_bound) in the math dtype
     capped: bool                 # whether the grid needs the device's SM count
 
-    def launch(self, launcher, ref: torch.Tensor, M: int, H: int, aligned: tuple, args: tuple) -> None:
-        """One launch over [M, H] rows; nothing for an empty tile. The
-        16-byte instance runs when H and every row start of the ``aligned``
-        tensors ([M, H]-shaped, unit inner stride) allow it; ``aligned``
-        empty: the 1-element instance."""
-        if M == 0 or H == 0:
+    def launch_rows(self, launcher, ref: torch.Tensor, M: int, H: int, pointers: tuple, strides: tuple) -> None:
+        """A row kernel over [M, H]: arguments ``pointers..., M, H,
+        strides...`` (element row strides; pointer 0 with stride 0 for an
+        absent output). The 16-byte instance runs when H, every pointer and
+        (past one row, which never steps) every row stride allow it."""
+        vec = self.vec
+        if H % vec:
+            vec = 1
+        else:
+            for p in pointers:
+                if p % 16:
+                    vec = 1
+                    break
+            if vec > 1 and M > 1:
+                for ld in strides:
+                    if ld % vec:
+                        vec = 1
+                        break
+        self.launch(launcher, ref, M, H, vec,
+                    (*map(np.uint64, pointers), np.int64(M), np.int64(H), *map(np.int64, strides)))
+
+    def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple) -> None:
+        """One launch over M rows of ``columns`` (``vec``: 1 or ``self.vec``);
+        nothing for an empty tile."""
+        if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
-        vec = self.vec if aligned and H % self.vec == 0 else 1
-        for t in aligned if vec > 1 else ():
-            # A single row can report any stride; it is never used to step.
-            if t.data_ptr() % 16 or (t.stride(0) if M > 1 else H) % vec:
-                vec = 1
-                break
         device = ref.device
-        grid, block = launch_shape(M, H, vec, self.config, sm_count(device) if self.capped else 0)
+        grid, block = launch_shape(M, columns, vec, self.config, sm_count(device) if self.capped else 0)
         (launcher or cupy_launcher()).launch(self.names[vec > 1], ref.dtype, device, grid, block,
                                              (*args, *self.scalar_args))
 
 
-_PLANS: dict[tuple, LaunchPlan] = {}
+#: (kind, id(spec), dtype, id(config), clamp rule) -> (spec, config, plan): keyed by the
+#: specs' and configs' identity (hashing a dataclass is a Python call per launch); the entry
+#: holds both, so their ids stay theirs, and a different but equal object only adds an entry.
+_PLANS: dict[tuple, tuple] = {}
 
 
 def launch_plan(kind: str, activation: GLUActivation, dtype: torch.dtype, config: LaunchConfig | None
                 ) -> LaunchPlan:
     """The cached :class:`LaunchPlan` (``config`` None: the current one); the
     clamps' gradient rule is read at each call (tests switch it)."""
-    key = (kind, activation, dtype, config or current_launch_config(), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS.setdefault(key, _build_plan(*key))
-    return plan
+    config = config or current_launch_config()
+    key = (kind, id(activation), dtype, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
+    entry = _PLANS.get(key)
+    if entry is None or entry[0] is not activation or entry[1] is not config:
+        entry = _PLANS[key] = (activation, config, _build_plan(kind, activation, dtype, config, key[-1]))
+    return entry[2]
 
 
 def _build_plan(kind, activation, dtype, config, gradient_at_bound) -> LaunchPlan:
@@ -136,7 +156,8 @@ def _build_plan(kind, activation, dtype, config, gradient_at_bound) -> LaunchPla
     config = effective_launch_config(config, variant)
     names = (kernel_name(kind, False, config.packs_per_thread, variant),
              kernel_name(kind, True, config.packs_per_thread, variant))
-    return LaunchPlan(names, vector_width(dtype), config,
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return LaunchPlan(names, vector_width(dtype), itemsize, config,
                       _scalar_args(activation, dtype is torch.float64, gradient_at_bound), config.grid_waves is not None)
 
 
@@ -153,49 +174,10 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
     return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
-def _rows_args(tensors: tuple) -> tuple[list, list]:
-    """Each tensor's data pointer and row stride as kernel arguments (None:
-    a null pointer and stride 0; a single row's stride is its width, never
-    used to step), numpy-typed so exactly 8 bytes go to the kernel."""
-    pointers, strides = [], []
-    for t in tensors:
-        if t is None:
-            pointers.append(np.uint64(0))
-            strides.append(np.int64(0))
-        else:
-            pointers.append(np.uint64(t.data_ptr()))
-            strides.append(np.int64(t.stride(0) if t.shape[0] > 1 else t.shape[1]))
-    return pointers, strides
-
-
-def _launch_backward_kernel(gate, up, dh, dgate, dup, h, launcher, config, activation) -> None:
-    """dgate, dup (and h unless None); all [M, H] with unit inner stride."""
-    M, H = gate.shape
-    pointers, strides = _rows_args((gate, up, dh, dgate, dup, h))
-    launch_plan("swiglu_backward", activation, gate.dtype, config).launch(
-        launcher, gate, M, H, (gate, up, dh, dgate, dup) if h is None else (gate, up, dh, dgate, dup, h),
-        (*pointers, np.int64(M), np.int64(H), *strides))
-
-
-def _launch_pairs_forward_kernel(x12, h, launcher, config, activation) -> None:
-    """h [M, H] from an interleaved x12 [M, 2H]; both with unit inner stride."""
-    M, H = h.shape
-    pointers, strides = _rows_args((x12, h))
-    launch_plan("swiglu_forward", activation, x12.dtype, config).launch(
-        launcher, x12, M, H, (x12, h), (*pointers, np.int64(M), np.int64(H), *strides))
-
-
-def _launch_pairs_backward_kernel(x12, dh, dx12, h, launcher, config, activation) -> None:
-    """Interleaved dx12 [M, 2H] (may be x12) and h (unless None) from x12 and dh."""
-    M, H = dh.shape
-    pointers, strides = _rows_args((x12, dh, dx12, h))
-    launch_plan("swiglu_backward", activation, x12.dtype, config).launch(
-        launcher, x12, M, H, (x12, dh, dx12) if h is None else (x12, dh, dx12, h),
-        (*pointers, np.int64(M), np.int64(H), *strides))
-
-
-def _empty_rows(ref: torch.Tensor, H: int) -> torch.Tensor:
-    return torch.empty((ref.shape[0], H), dtype=ref.dtype, device=ref.device)
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """An output the kernels can write (unit inner stride): ``t`` itself, or a
+    contiguous stand-in that :func:`_copy_back` copies to ``t`` after."""
+    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
 
 
 def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
@@ -207,19 +189,14 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
 def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
                             launcher=None, launch_config: LaunchConfig | None = None,
                             activation: GLUActivation = SILU) -> torch.Tensor:
-    return _forward_halves(_rows_view(gate), _rows_view(up), out, launcher, launch_config, activation)
-
-
-def _forward_halves(gate, up, out, launcher, config, activation) -> torch.Tensor:
-    """h = act(gate) * up into ``out`` (or a new [M, H]); gate and up have unit inner stride."""
-    h = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
-    target = h if h.stride(1) == 1 or h.shape[1] <= 1 else h.contiguous()
+    gate, up = _rows_view(gate), _rows_view(up)
     M, H = gate.shape
-    pointers, strides = _rows_args((gate, up, target))
-    launch_plan("swiglu_forward", activation, gate.dtype, config).launch(
-        launcher, gate, M, H, (gate, up, target), (*pointers, np.int64(M), np.int64(H), *strides))
-    if target is not h:
-        h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
+    h = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if out is None else out
+    target = _unit_rows(h)
+    launch_plan("swiglu_forward", activation, gate.dtype, launch_config).launch_rows(
+        launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()),
+        (gate.stride(0), up.stride(0), target.stride(0)))
+    _copy_back(target, h)
     return h
 
 
@@ -228,11 +205,14 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
                              launcher=None, launch_config: LaunchConfig | None = None,
                              activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
-    H = gate.shape[1]
-    dgate = _empty_rows(gate, H) if dgate_out is None else dgate_out
-    dup = _empty_rows(gate, H) if dup_out is None else dup_out
-    dgate_target, dup_target = _rows_view(dgate), _rows_view(dup)
-    _launch_backward_kernel(gate, up, dh, dgate_target, dup_target, None, launcher, launch_config, activation)
+    M, H = gate.shape
+    dgate = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if dgate_out is None else dgate_out
+    dup = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if dup_out is None else dup_out
+    dgate_target, dup_target = _unit_rows(dgate), _unit_rows(dup)
+    launch_plan("swiglu_backward", activation, gate.dtype, launch_config).launch_rows(
+        launcher, gate, M, H,
+        (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dgate_target.data_ptr(), dup_target.data_ptr(), 0),
+        (gate.stride(0), up.stride(0), dh.stride(0), dgate_target.stride(0), dup_target.stride(0), 0))
     _copy_back(dgate_target, dgate)
     _copy_back(dup_target, dup)
     return dgate, dup
@@ -241,32 +221,46 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
 def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
                           launch_config: LaunchConfig | None = None,
                           activation: GLUActivation = SILU) -> torch.Tensor:
+    """h [M, H] from x12 [M, 2H]. Halves: gate and up are x12's pointer and
+    the one H elements on, with x12's row stride (no views are made)."""
     x12 = _rows_view(x12)
-    H = x12.shape[1] // 2
-    if not activation.interleaved:
-        return _forward_halves(x12[:, :H], x12[:, H:], out, launcher, launch_config, activation)
-    h = _empty_rows(x12, H) if out is None else out
-    target = _rows_view(h)
-    _launch_pairs_forward_kernel(x12, target, launcher, launch_config, activation)
-    _copy_back(target, h)
+    M, H = x12.shape[0], x12.shape[1] // 2
+    if out is None:
+        h = target = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
+    else:
+        h, target = out, _unit_rows(out)
+    plan = launch_plan("swiglu_forward", activation, x12.dtype, launch_config)
+    x, ld = x12.data_ptr(), x12.stride(0)
+    if activation.interleaved:
+        plan.launch_rows(launcher, x12, M, H, (x, target.data_ptr()), (ld, target.stride(0)))
+    else:
+        plan.launch_rows(launcher, x12, M, H, (x, x + H * plan.itemsize, target.data_ptr()),
+                         (ld, ld, target.stride(0)))
+    if target is not h:
+        h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
 
 
 def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
                            launcher=None, launch_config: LaunchConfig | None = None,
                            activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx12, h) from x12 and dh; dx12 may be x12 itself (in place)."""
     x12, dh = _rows_view(x12), _rows_view(dh)
-    H = x12.shape[1] // 2
+    M, H = x12.shape[0], x12.shape[1] // 2
     if dx12_out is None:
         dx12 = target = torch.empty_like(x12, memory_format=torch.contiguous_format)
     else:
-        dx12, target = dx12_out, _rows_view(dx12_out)
-    h = torch.empty((x12.shape[0], H), dtype=x12.dtype, device=x12.device)
+        dx12, target = dx12_out, _unit_rows(dx12_out)
+    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
+    plan = launch_plan("swiglu_backward", activation, x12.dtype, launch_config)
+    x, ld, dx, dx_ld = x12.data_ptr(), x12.stride(0), target.data_ptr(), target.stride(0)
     if activation.interleaved:
-        _launch_pairs_backward_kernel(x12, dh, target, h, launcher, launch_config, activation)
+        plan.launch_rows(launcher, x12, M, H, (x, dh.data_ptr(), dx, h.data_ptr()),
+                         (ld, dh.stride(0), dx_ld, h.stride(0)))
     else:
-        _launch_backward_kernel(x12[:, :H], x12[:, H:], dh, target[:, :H], target[:, H:], h, launcher,
-                                launch_config, activation)
+        up = H * plan.itemsize
+        plan.launch_rows(launcher, x12, M, H, (x, x + up, dh.data_ptr(), dx, dx + up, h.data_ptr()),
+                         (ld, ld, dh.stride(0), dx_ld, dx_ld, h.stride(0)))
     if target is not dx12:
         dx12.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return dx12, h
@@ -281,7 +275,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
     check_fp8_compute_dtype(x12.dtype)  # float64's modules hold no 8-bit kernels
     x12 = _rows_view(x12)
     M, H = x12.shape[0], x12.shape[1] // 2
-    h = _empty_rows(x12, H)
+    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
     saved = saved_x12.new_saved(M, H, activation.interleaved, x12.device)
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
     blocks = saved_x12.scale_blocks(H, activation.interleaved)
@@ -293,7 +287,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
         args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
                 i64(_leading_dim(x12)), *strides]
     launch_plan("swiglu_forward_fp8", activation, x12.dtype, launch_config).launch(
-        launcher, x12, M, _blocks_per_thread_row(blocks, activation), (), tuple(args))
+        launcher, x12, M, _blocks_per_thread_row(blocks, activation), 1, tuple(args))
     return h, saved
 
 
@@ -308,7 +302,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
         saved = saved.contiguous()  # rows of whole 4-byte scales (a view of it need not be)
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
     dx12 = torch.empty((M, 2 * H), dtype=dh.dtype, device=dh.device)
-    h = _empty_rows(dh, H)
+    h = torch.empty((M, H), dtype=dh.dtype, device=dh.device)
     blocks = saved_x12.scale_blocks(H, activation.interleaved)
     head = [pointer(q), pointer(scales), pointer(dh)]
     strides = [i64(saved.stride(0)), i64(saved.stride(0) // 4), i64(_leading_dim(dh))]
@@ -318,7 +312,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
         args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
                 i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
     launch_plan("swiglu_backward_fp8", activation, dh.dtype, launch_config).launch(
-        launcher, dh, M, _blocks_per_thread_row(blocks, activation), (), tuple(args))
+        launcher, dh, M, _blocks_per_thread_row(blocks, activation), 1, tuple(args))
     return dx12, h
 
 

@@ -1,0 +1,160 @@
+"""integrations/plan_runner.py: a patched module's fusion is decided once and
+kept with the state it was decided on; every change to that state (a hook, an
+instance forward, a replaced projection, dropout's mode, a global hook) is
+seen at the next call, which decides again. Never a stale fusion."""
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import swiglu_cupy as sc
+from swiglu_cupy.integrations import plan_runner
+
+
+class GatedMLP(nn.Module):
+    """Its dropout is registered after ``down_proj`` but applied before it:
+    by registration order the structure reads it as after ``down``."""
+
+    def __init__(self, d=16, h=24, p=0.0):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.down_proj = nn.Linear(h, d, bias=False)
+        self.dropout = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.down_proj(self.dropout(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DropoutBeforeDown(GatedMLP):
+    """The same forward, the dropout registered where it is applied."""
+
+    def __init__(self, d=16, h=24, p=0.0):
+        nn.Module.__init__(self)
+        self.gate_proj = nn.Linear(d, h, bias=False)
+        self.up_proj = nn.Linear(d, h, bias=False)
+        self.dropout = nn.Dropout(p)
+        self.down_proj = nn.Linear(h, d, bias=False)
+
+
+def patched(p=0.0, cls=GatedMLP):
+    torch.manual_seed(0)
+    reference = cls(p=p).double()
+    model = nn.Sequential(copy.deepcopy(reference))
+    report = sc.patch(model)
+    assert "0" in {**report.fused, **report.partial}, report
+    return reference, model[0]
+
+
+def whole_calls(monkeypatch) -> list:
+    calls = []
+    real = plan_runner._whole_mlp
+    monkeypatch.setattr(plan_runner, "_whole_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_decided_once_and_kept(monkeypatch):
+    _, mlp = patched()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    mlp(x)
+    decisions = []
+    real = plan_runner._decide_fusion
+    monkeypatch.setattr(plan_runner, "_decide_fusion", lambda *a: decisions.append(1) or real(*a))
+    for _ in range(3):
+        mlp(x)
+    assert decisions == [] and mlp.fusion() == "mlp"
+
+
+@pytest.mark.parametrize("change", ["forward_hook", "pre_hook", "backward_hook", "instance_forward",
+                                    "replaced_projection", "global_hook"])
+def test_a_change_is_seen_at_the_next_call_and_undone_when_removed(change, monkeypatch):
+    reference, mlp = patched()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    assert mlp.fusion() == "mlp"
+    seen = []
+    if change == "forward_hook":
+        handle = mlp.up_proj.register_forward_hook(lambda m, i, o: seen.append(1))
+        undo = handle.remove
+    elif change == "pre_hook":
+        handle = mlp.down_proj.register_forward_pre_hook(lambda m, i: seen.append(1))
+        undo = handle.remove
+    elif change == "backward_hook":
+        handle = mlp.gate_proj.register_full_backward_hook(lambda m, gi, go: seen.append(1))
+        undo = handle.remove
+    elif change == "instance_forward":
+        lin = mlp.gate_proj
+        lin.forward = lambda inp: seen.append(1) or nn.Linear.forward(lin, inp)
+        undo = lambda: lin.__dict__.pop("forward")  # noqa: E731
+    elif change == "replaced_projection":
+        original = mlp.up_proj
+
+        class Counting(nn.Linear):
+            def forward(self, inp):
+                seen.append(1)
+                return super().forward(inp)
+
+        counting = Counting(16, 24, bias=False, dtype=torch.float64)
+        counting.weight = original.weight
+        mlp.up_proj = counting
+        undo = lambda: setattr(mlp, "up_proj", original)  # noqa: E731
+    else:
+        handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: seen.append(1))
+        undo = handle.remove
+    calls = whole_calls(monkeypatch)
+    y = mlp(x.requires_grad_())
+    y.sum().backward()
+    assert mlp.fusion() == "activation" and calls == [] and seen, change
+    torch.testing.assert_close(y, reference(x))
+    undo()
+    seen.clear()
+    mlp(x)
+    assert mlp.fusion() == "mlp" and calls == [1] and not seen
+
+
+def test_a_dropout_whose_placement_was_unproven_runs_the_own_forward_once_it_drops(monkeypatch):
+    """Patched at rate 0, the probe cannot see where the dropout sits (the plan
+    puts it after down). Set to drop later, the module runs its own forward:
+    the same masks as the unpatched module, never the guessed placement."""
+    reference, mlp = patched(p=0.0)
+    assert mlp.swiglu_plan.dropout_unproven == ("dropout",) and mlp.fusion() == "mlp"
+    x = torch.randn(4, 16, dtype=torch.float64)
+    reference.dropout.p = mlp.dropout.p = 0.5
+    reference.train(), mlp.train()
+    calls = whole_calls(monkeypatch)
+    assert mlp.fusion() is None
+    torch.manual_seed(3)
+    expected = reference(x)
+    torch.manual_seed(3)
+    torch.testing.assert_close(mlp(x), expected)
+    assert calls == []
+    mlp.eval(), reference.eval()
+    assert mlp.fusion() == "mlp"
+    torch.testing.assert_close(mlp(x), reference(x))
+    assert calls == [1]
+
+
+def test_a_dropout_placed_by_the_probe_fuses_in_training():
+    with pytest.raises(AssertionError, match="dropout placement differs"):
+        patched(p=0.1)  # read as after down, and the probe at rate 0.1 sees it is not
+    reference, mlp = patched(p=0.1, cls=DropoutBeforeDown)
+    assert mlp.swiglu_plan.dropout_unproven == () and mlp.swiglu_plan.mid == ("dropout",)
+    mlp.train()
+    assert mlp.fusion() == "activation"  # dropout between the product and down: the projections run as themselves
+    mlp.eval()
+    assert mlp.fusion() == "mlp"
+
+
+def test_a_copy_and_a_pickle_decide_for_themselves():
+    _, mlp = patched()
+    x = torch.randn(2, 16, dtype=torch.float64)
+    mlp(x)
+    twin = copy.deepcopy(mlp)
+    twin.up_proj.register_forward_hook(lambda m, i, o: None)
+    assert twin.fusion() == "activation" and mlp.fusion() == "mlp"
+    loaded = pickle.loads(pickle.dumps(nn.Sequential(mlp)))[0]
+    torch.testing.assert_close(loaded(x), mlp(x))
+    assert loaded.fusion() == "mlp"
