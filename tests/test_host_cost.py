@@ -219,3 +219,34 @@ def test_bench_host_cost_refuses_device_cuda(tmp_path, capsys):
     assert main(["bench", "--host-cost", "--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "measures on the CPU" in capsys.readouterr().err
     assert not (tmp_path / "host_cost.json").exists()
+
+
+# ---- the frame budget ------------------------------------------------------------------------
+
+#: Package frames per call on the CUDA route at decode size (issue 41: at most 30
+#: for a SwiGLU forward; it took 77 before the cached launch plan and the options
+#: object). The limits are today's counts: a regression fails here, an
+#: improvement should lower them. Experts: the most over several calls (the
+#: routing, and with it the groups launched, changes per call).
+FRAME_BUDGET = {  # entry point -> (forward, forward+backward, no_grad forward)
+    "SwiGLU": (30, 45, 30),
+    "swiglu": (28, 44, 28),
+    "patched LlamaMLP": (39, 55, 39),
+    "patched experts": (75, 140, 75),
+}
+
+
+@pytest.mark.parametrize("name", list(FRAME_BUDGET))
+def test_cuda_route_stays_within_its_frame_budget(name):
+    module, call = _build(name)
+    counts = []
+    for mode, grad_mode in host_cost.MODES.items():
+        x, dy = _inputs()
+        x = x[:1].detach().requires_grad_(True)   # decode size: one token
+        with host_cost.cuda_route() as launcher, grad_mode():
+            step = host_cost.mode_step(mode, module, call, x, dy[:1])
+            step(), step()  # first calls build the cached plans and decisions
+            launched = launcher.launches
+            counts.append(max(host_cost.package_frames(step).package for _ in range(5)))
+            assert launcher.launches > launched, (name, mode)  # the kernel path ran, not torch's
+    assert all(n <= limit for n, limit in zip(counts, FRAME_BUDGET[name])), (name, counts, FRAME_BUDGET[name])
