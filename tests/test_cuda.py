@@ -360,3 +360,58 @@ def test_cuda_graph_capture_of_a_variant_after_warmup():
         torch.cuda.synchronize()
     assert _launch.cupy_launcher().compile_count == compiles
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
+
+
+def test_stream_changed_between_calls_and_threads_first_use():
+    """The cached launch plan follows torch's current stream at every call (two
+    streams alternating, each result right), and eight threads' concurrent
+    first calls of a fresh launcher compile once and compute right."""
+    import threading
+
+    torch.manual_seed(5)
+    x12 = torch.randn(33, 2 * 96, device="cuda", dtype=torch.bfloat16)
+    ref = primitives.swiglu_forward(x12.cpu(), implementation="torch")
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = []
+    for i in range(6):
+        stream = streams[i % 2]
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outs.append(primitives.swiglu_forward(x12, implementation="kernels"))
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for h in outs:
+        assert rel_rms(h.cpu(), ref) < 2**-8
+    launcher = _launch.CupyLauncher()
+    failures, barrier = [], threading.Barrier(8)
+
+    def worker():
+        try:
+            barrier.wait()
+            h = primitives.swiglu_forward(x12, launcher=launcher)
+            torch.cuda.synchronize()
+            assert rel_rms(h.cpu(), ref) < 2**-8
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert launcher.compile_count == 1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_each_device_launches_on_its_own():
+    """A tensor on the device that is not current launches there (the device
+    context is entered only then), and results on both devices are right."""
+    x0 = torch.randn(9, 2 * 64, device="cuda:0")
+    x1 = x0.to("cuda:1")
+    with torch.cuda.device(0):
+        h1 = primitives.swiglu_forward(x1, implementation="kernels")
+    h0 = primitives.swiglu_forward(x0, implementation="kernels")
+    torch.cuda.synchronize(0), torch.cuda.synchronize(1)
+    ref = primitives.swiglu_forward(x0.cpu(), implementation="torch")
+    assert rel_rms(h0.cpu(), ref) < 1e-6 and rel_rms(h1.cpu(), ref) < 1e-6

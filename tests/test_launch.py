@@ -73,15 +73,16 @@ class _FakeCupy:
                 fake.calls.append(("stream", version, handle))
                 return types.SimpleNamespace(ptr=handle)
 
+        self.current_device = 0  # what cudaGetDevice answers
         self.RawModule = RawModule
-        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream)
+        self.cuda = types.SimpleNamespace(Device=Device, Stream=Stream,
+                                          runtime=types.SimpleNamespace(getDevice=lambda: fake.current_device))
 
 
 def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     fake = _FakeCupy()
     monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
-    torch_stream = types.SimpleNamespace(cuda_stream=1234)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: torch_stream)
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda index: 1234)
     launcher = _launch.CupyLauncher()
     args = [np.uint64(16), np.int64(3)]
     for _ in range(2):
@@ -97,6 +98,26 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
                        "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
+def test_launch_on_the_current_device_enters_no_device_context(monkeypatch):
+    """The usual call (the tensor's device is current) launches directly; the
+    stream follows torch's current one at every call (a changed stream between
+    calls gets its own CuPy stream object, made once)."""
+    fake = _FakeCupy()
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    handle = [11]
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda index: handle[0])
+    launcher = _launch.CupyLauncher()
+    fake.current_device = 2
+    for stream in (11, 11, 12, 11):
+        handle[0] = stream
+        launcher.launch("swiglu_forward_vec_p1", torch.bfloat16, torch.device("cuda", 2), (1, 1, 1), (32, 1, 1),
+                        (np.uint64(0),))
+    launches = [c for c in fake.calls if c[0] == "launch"]
+    assert [c[5].ptr for c in launches] == [11, 11, 12, 11]
+    assert [c for c in fake.calls if c[0] == "stream"] == [("stream", 0, 11), ("stream", 0, 12)]
+    assert [c for c in fake.calls if c[0] == "device"] == [("device", 2)]  # loading the module only
+
+
 def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):
     """One RawModule per (device, dtype, variant), built from that variant's
     source; a second kernel of the same variant reuses it."""
@@ -108,7 +129,7 @@ def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):
     real_module = fake.RawModule
     fake.RawModule = lambda code, options: sources.append(code) or real_module(code=code, options=options)
     monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda index: 7)
     launcher = _launch.CupyLauncher()
     oai = _sources.kernel_variant(GPT_OSS)
     for name in ("swiglu_forward_vec_p1", "glu_forward_oai_clamp_pairs_vec_p1", "glu_backward_oai_clamp_pairs_scalar_p4",
@@ -150,7 +171,7 @@ def test_warmup_loads_every_kernel_before_capture(monkeypatch):
     fake = _FakeCupy()
     monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
     monkeypatch.setattr(_launch, "_cupy_launcher", _launch.CupyLauncher())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda index: 7)
     assert _launch.warmup("cuda:0", dtypes=(torch.bfloat16, torch.float32)) == 2 * len(kernel_names())
     assert _launch.cupy_launcher().compile_count == 2  # one module per (device, dtype)
     with pytest.raises(ValueError, match="device must be a CUDA device"):
@@ -215,7 +236,7 @@ def test_eight_threads_first_call_compile_once_and_compute_correctly(monkeypatch
     fake.RawModule = HostBackedModule
     monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=5))
+    monkeypatch.setattr(_launch, "current_raw_stream", lambda index: 5)
     launcher = _launch.CupyLauncher()
     barrier = threading.Barrier(8)
     failures = []

@@ -17,6 +17,7 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from .._torch_compat import current_raw_stream
 from .sources import compile_options, kernel_names, kernel_variant, module_source, variant_of_kernel
 from ..activations import resolve_activation
 
@@ -138,7 +139,7 @@ class CupyLauncher:
     def _stream(self, device_index: int):
         """CuPy's view of torch's current stream (looked up at every call:
         checkpointing, side streams and graph capture change it)."""
-        handle = torch.cuda.current_stream(device_index).cuda_stream
+        handle = current_raw_stream(device_index)
         key = (device_index, handle)
         stream = self._streams.get(key)
         if stream is None:
@@ -147,10 +148,16 @@ class CupyLauncher:
         return stream
 
     def launch(self, name, dtype, device, grid, block, args):
-        index = device_index(device)
-        fn = self.function(name, dtype, index)
-        with import_cupy().cuda.Device(index):
-            fn(grid, block, tuple(args), stream=self._stream(index))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self._functions.get((index, dtype, name)) or self.function(name, dtype, index)
+        stream = self._stream(index)
+        args = args if args.__class__ is tuple else tuple(args)
+        cuda = import_cupy().cuda
+        if cuda.runtime.getDevice() == index:  # the usual case: no device context to enter and leave
+            fn(grid, block, args, stream=stream)
+        else:
+            with cuda.Device(index):
+                fn(grid, block, args, stream=stream)
 
 
 _cupy_launcher: CupyLauncher | None = None
