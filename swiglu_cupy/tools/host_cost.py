@@ -146,7 +146,8 @@ def _patched_llama_mlp(D, H, dtype):
     report = patch(holder)
     if list(report.fused) != ["0"]:
         raise RuntimeError(f"LlamaMLP was not fused whole:\n{report}")
-    return holder[0], lambda x: holder[0](x)
+    mlp = holder[0]  # the holder only gives patch() a parent; the call is the MLP's alone
+    return mlp, lambda x: mlp(x)
 
 
 def _mixtral_experts(D, H, dtype, patched, experts=8, top_k=2):
