@@ -149,7 +149,9 @@ class CupyLauncher:
 
     def launch(self, name, dtype, device, grid, block, args):
         index = device.index if device.index is not None else torch.cuda.current_device()
-        fn = self._functions.get((index, dtype, name)) or self.function(name, dtype, index)
+        fn = self._functions.get((index, dtype, name))
+        if fn is None:
+            fn = self.function(name, dtype, index)
         stream = self._stream(index)
         args = args if args.__class__ is tuple else tuple(args)
         cuda = import_cupy().cuda
