@@ -249,4 +249,7 @@ def test_cuda_route_stays_within_its_frame_budget(name):
             launched = launcher.launches
             counts.append(max(host_cost.package_frames(step).package for _ in range(5)))
             assert launcher.launches > launched, (name, mode)  # the kernel path ran, not torch's
-    assert all(n <= limit for n, limit in zip(counts, FRAME_BUDGET[name])), (name, counts, FRAME_BUDGET[name])
+    # With DeepSpeed imported (by an earlier test), a patched module also asks whether it is a ZeRO-3 leaf.
+    budget = [limit + (2 if name == "patched LlamaMLP" and "deepspeed" in sys.modules else 0)
+              for limit in FRAME_BUDGET[name]]
+    assert all(n <= limit for n, limit in zip(counts, budget)), (name, counts, budget)

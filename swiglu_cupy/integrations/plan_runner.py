@@ -111,11 +111,10 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
         return None
     state = _fusion_state(module, plan)
     kept = module.__dict__.get(_FUSION_ATTR)
-    if state is not None and kept is not None and kept[0] == state:
+    if kept is not None and kept[0] == state:
         return kept[1]
     fusion = _decide_fusion(module, plan)
-    if state is not None:
-        module.__dict__[_FUSION_ATTR] = (state, fusion)
+    module.__dict__[_FUSION_ATTR] = (state, fusion)
     return fusion
 
 
@@ -133,24 +132,27 @@ def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
 _FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
 
 
-def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple | None:
+def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple:
     """Everything the fusion depends on, cheap to read at each call: the plan,
     torch's global module hooks, each projection's identity, class, whether
-    it has a forward of its own or any hook (without ZeRO-3, any hook is an
-    obstacle, whichever it is), and each module between the product and
-    ``down`` with its mode and rate. None while DeepSpeed is loaded: which
-    hooks are ZeRO-3's is not visible here, so that case decides at every call."""
-    if "deepspeed" in sys.modules:
-        return None
+    it has a forward of its own, and its hooks, and each module between the
+    product and ``down`` with its mode and rate. Without DeepSpeed loaded any
+    hook is an obstacle, whichever it is, so only their presence counts; with
+    it, whether the module is a ZeRO-3 leaf and which hooks each projection
+    has (handle ids are never reused), since ZeRO-3's own hooks are none."""
     mods = module._modules
+    ds = _zero3() if "deepspeed" in sys.modules else None  # the check inline: no call per forward without it
     # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
-    state = (plan, global_module_hooks_active())
+    state = (plan, global_module_hooks_active(), ds is not None and ds.zero3_leaf(module))
     for name in plan.projections:
         # A reused id (a child replaced by another) shows the class, forward and hooks the
         # decision reads, which is all it reads.
         m = mods.get(name)
-        state += (id(m), m.__class__, "forward" in m.__dict__, bool(
-            m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks))
+        hooked = bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+        if hooked and ds is not None:
+            hooked = (tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_pre_hooks),
+                      tuple(m._backward_hooks))
+        state += (id(m), m.__class__, "forward" in m.__dict__, hooked)
     for name in plan.mid:
         m = mods.get(name)
         state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))
