@@ -362,3 +362,22 @@ def test_sm_count_is_read_once_per_cuda_device(monkeypatch):
         assert kernels.sm_count(torch.device("cpu")) == kernels.HOST_SM_COUNT
     finally:
         kernels._cuda_sm_count.cache_clear()
+
+
+def test_launch_plans_are_cached_by_identity_and_bounded():
+    """One plan per spec and config object, built once; a caller that makes a
+    new (equal) spec per call gets equal plans, and the cache stays bounded."""
+    from swiglu_cupy.activations import GLUActivation
+    from swiglu_cupy.kernels.launch_config import LaunchConfig
+    from swiglu_cupy.primitives import cuda_impl
+
+    spec, config = GLUActivation("silu", limit=7.0), LaunchConfig(2, 128, None)
+    plan = cuda_impl.launch_plan("swiglu_forward", spec, torch.bfloat16, config)
+    assert cuda_impl.launch_plan("swiglu_forward", spec, torch.bfloat16, config) is plan
+    assert plan.names == ("glu_forward_silu_clamp_scalar_p2", "glu_forward_silu_clamp_vec_p2")
+    assert (plan.vec, plan.itemsize, plan.config, plan.capped) == (8, 2, config, False)
+    assert [float(a) for a in plan.scalar_args[:3]] == [7.0, 1.0, 0.0]
+    for _ in range(3 * cuda_impl._MAX_PLANS):
+        fresh = cuda_impl.launch_plan("swiglu_forward", GLUActivation("silu", limit=7.0), torch.bfloat16, config)
+        assert fresh.names == plan.names and fresh.scalar_args == plan.scalar_args
+    assert len(cuda_impl._PLANS) <= cuda_impl._MAX_PLANS

@@ -136,7 +136,9 @@ class LaunchPlan:
 #: (kind, id(spec), dtype, id(config), clamp rule) -> (spec, config, plan): keyed by the
 #: specs' and configs' identity (hashing a dataclass is a Python call per launch); the entry
 #: holds both, so their ids stay theirs, and a different but equal object only adds an entry.
+#: Bounded: a caller that makes a new spec or config per call refills it from empty.
 _PLANS: dict[tuple, tuple] = {}
+_MAX_PLANS = 1024
 
 
 def launch_plan(kind: str, activation: GLUActivation, dtype: torch.dtype, config: LaunchConfig | None
@@ -147,6 +149,8 @@ def launch_plan(kind: str, activation: GLUActivation, dtype: torch.dtype, config
     key = (kind, id(activation), dtype, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
     entry = _PLANS.get(key)
     if entry is None or entry[0] is not activation or entry[1] is not config:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
         entry = _PLANS[key] = (activation, config, _build_plan(kind, activation, dtype, config, key[-1]))
     return entry[2]
 
