@@ -50,7 +50,7 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
 
 
 #: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) -> options,
-#: for arguments already checked: a repeated call skips the checks. Only exact bools and
+#: for arguments already checked: a repeated eager call skips the checks. Only exact bools and
 #: None/"fp8" reach it (1 == True would otherwise share True's entry).
 _OPTIONS: dict[tuple, SwiGLUOptions] = {}
 
@@ -60,8 +60,10 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
     """The call's checked :class:`SwiGLUOptions` (``tile_rows`` is checked here, resolved per call)."""
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
+    # Not inside a trace: Dynamo would guard on the cache's contents (and 2.11's cannot hash the key).
     exact = (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
-             and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str))
+             and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
+             and not torch.compiler.is_compiling())
     key = (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only)
     options = _OPTIONS.get(key) if exact and activation.__class__ in (str, GLUActivation) else None
     if options is None:

@@ -19,8 +19,8 @@ validated once by the public API (``api.py``); nothing here checks them.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -36,14 +36,16 @@ from . import tiled_passes
 __all__ = ["SwiGLUFunction", "SiluMulFunction", "SwiGLUOptions"]
 
 
-@dataclasses.dataclass(frozen=True)
-class SwiGLUOptions:
+class SwiGLUOptions(NamedTuple):
     """The settings of a ``SwiGLUFunction`` call that are not tensors, decided
     once by the API and handed down whole (checked there, not here):
     ``activation`` (a ``GLUActivation``), the memory modes
     ``recompute_gate_up``, ``inplace_backward`` and ``saved_x12_fp8`` (x12
     saved in 8 bits; exclusive with the other two), and
-    ``tile_grads_fp32`` (the tiled path's weight-gradient accumulation)."""
+    ``tile_grads_fp32`` (the tiled path's weight-gradient accumulation).
+    Immutable; a named tuple rather than a dataclass because torch.compile
+    builds named tuples inside a trace on every supported torch (2.11's
+    Dynamo cannot build a dataclass holding a ``GLUActivation`` there)."""
     activation: GLUActivation = SILU
     recompute_gate_up: bool = False
     inplace_backward: bool = False
@@ -164,7 +166,8 @@ class SwiGLUFunction(LeanApplyFunction):
 
     @staticmethod
     def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
-        return _swiglu_vmap_rule(info, in_dims, (x, w1, b1, w2, b2, w3, b3), (options, inference, tile_rows))
+        # in_dims[:7]: the tensors' (the options, a named tuple, has one per field, all None).
+        return _swiglu_vmap_rule(info, in_dims[:7], (x, w1, b1, w2, b2, w3, b3), (options, inference, tile_rows))
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
