@@ -27,7 +27,6 @@ in ``--out``.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ from .config import (DTYPES, HOST_COST_CALLS, HOST_COST_QUICK_CALLS, HOST_COST_Q
                      HOST_COST_ROUNDS, HOST_COST_SHAPES, HOST_COST_WARMUP)
 from .environment import environment
 from .measure import Clock, interleaved, median_ratio, short_error
+from .report import write_report
 
 __all__ = ["run", "bench_host_cost", "format_host_cost", "ROUTES", "ENTRIES"]
 
@@ -211,11 +211,5 @@ def run(args) -> int:
     first = report["cases"][0]["null_reasons"] if report["cases"] else {}
     report["unavailable"] = {name: reason for name, reason in first.items() if reason.startswith("unavailable")}
     report["wall_s"] = time.perf_counter() - start
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "host_cost.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    text = format_host_cost(report)
-    (out_dir / "host_cost.txt").write_text(text + "\n")
-    print(text)
-    print(f"\nwrote {out_dir / 'host_cost.json'}, {out_dir / 'host_cost.txt'}")
+    write_report(Path(args.out), "host_cost", report, format_host_cost(report))
     return 0

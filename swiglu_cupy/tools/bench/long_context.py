@@ -14,7 +14,6 @@ long_context.txt and long_context.png (memory against tokens).
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from ...dense.module import SwiGLU
 from ..live_bytes import LiveBytes
 from .environment import environment
 from .measure import Clock, interleaved, median_ratio, short_error
-from .report import pyplot
+from .report import pyplot, write_report
 
 __all__ = ["run", "CONTENDERS", "CPU_SHAPE", "GPU_SHAPE"]
 
@@ -234,10 +233,5 @@ def run(args) -> int:
     png = out_dir / "long_context.png"
     reason = plot_long_context(report, png)
     report["plot"] = None if reason else png.name
-    (out_dir / "long_context.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    text = format_long_context(report)
-    (out_dir / "long_context.txt").write_text(text + "\n")
-    print(text)
-    print(f"\nwrote {out_dir / 'long_context.json'}, {out_dir / 'long_context.txt'}"
-          + ("" if reason else f", {png}"))
+    write_report(out_dir, "long_context", report, format_long_context(report), () if reason else (png,))
     return 0

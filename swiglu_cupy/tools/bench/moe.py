@@ -21,7 +21,6 @@ Writes ``moe.json`` and ``moe.txt`` in ``--out``. Needs transformers.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import torch
 from .config import DTYPES
 from .environment import environment
 from .measure import Clock, interleaved, median_ratio, short_error, stats
+from .report import write_report
 
 TIME_SHAPE = {"E": 8, "K": 2, "D": 256, "I": 512, "T": 1024}
 TIME_DTYPES = ("fp32", "bf16")
@@ -273,11 +273,5 @@ def run(args) -> int:
             except Exception as exc:
                 report[key][family] = {"error": f"failed: {short_error(exc)}"}
     report["wall_s"] = time.perf_counter() - start
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    text = format_moe(report)
-    (out_dir / "moe.txt").write_text(text + "\n")
-    print(text)
-    print(f"\nwrote {out_dir / 'moe.json'}, {out_dir / 'moe.txt'}")
+    write_report(Path(args.out), "moe", report, format_moe(report))
     return 0

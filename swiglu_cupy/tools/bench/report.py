@@ -1,10 +1,23 @@
 """The bench report as a text table and as a PNG."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .contenders import CONTENDERS, LABELS, LOWER_BOUND, OURS, OURS_FP8
 from .measure import short_error
+
+
+def write_report(out_dir: Path, stem: str, report: dict, text: str, extra: tuple[Path, ...] = ()) -> None:
+    """``<stem>.json`` and ``<stem>.txt`` in ``out_dir`` (made if missing), the
+    text printed, then one line naming what was written (``extra``: files the
+    mode wrote itself, a plot)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, text_path = out_dir / f"{stem}.json", out_dir / f"{stem}.txt"
+    json_path.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    text_path.write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {', '.join(str(p) for p in (json_path, text_path, *extra))}")
 
 
 def _ms(s) -> str:

@@ -18,7 +18,6 @@ default's, with the exact line to write into ``launch_config.py``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -32,6 +31,7 @@ from .config import DTYPES, PRESETS, Settings
 from .contenders import ours_implementation
 from .environment import environment
 from .measure import Clock, bench_copy, elementwise_bytes, short_error, stats
+from .report import write_report
 
 SWEEP_HIDDEN = (PRESETS["llama7b"][1], PRESETS["llama3-8b"][1])   # 11008, 14336
 SWEEP_TOKENS = (8192,)
@@ -315,9 +315,5 @@ def run(args: argparse.Namespace) -> int:
     report["wall_s"] = time.perf_counter() - start
     failed = any("error" in c for r in report["results"] for c in r["candidates"])
     report["passed"] = not failed
-    text = format_sweep(report)
-    (out_dir / "sweep.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    (out_dir / "sweep.txt").write_text(text + "\n")
-    print(text)
-    print(f"\nwrote {out_dir / 'sweep.json'}, {out_dir / 'sweep.txt'}")
+    write_report(out_dir, "sweep", report, format_sweep(report))
     return 1 if failed else 0
