@@ -73,6 +73,14 @@ __device__ __forceinline__ float rcp_fast(float v) {
     float r;
     asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
     return r;
+#elif defined(SWIGLU_HOST_RCP_ULPS)
+    // Tests: a reciprocal this many ulps off (MUFU.RCP's may be 1 off; it is
+    // exact at 0, inf and NaN), for the code that must not depend on it.
+    float r = 1.0f / v;
+    const bool special = r == 0.0f || !(fabsf(r) <= 3.40282346638528859812e38f);
+    for (int i = 0; !special && i < (SWIGLU_HOST_RCP_ULPS < 0 ? -SWIGLU_HOST_RCP_ULPS : SWIGLU_HOST_RCP_ULPS); ++i)
+        r = nextafterf(r, SWIGLU_HOST_RCP_ULPS < 0 ? 0.0f : INFINITY);
+    return r;
 #else
     return 1.0f / v;
 #endif
@@ -111,7 +119,8 @@ template <int N> struct alignas(sizeof(scalar_t) * N) Pack { scalar_t v[N]; };
 
 // A 16-byte pack moves as one uint4. The store is explicit PTX on the device:
 // for multi-pack tiles NVVM lost the 16-byte alignment of a plain C++ store
-// and split it into 4-byte stores (the compile-check test counts them).
+// and split it into 4-byte stores (the compile-check test counts them); the
+// 8-byte packs (the 8-bit kernels' interleaved h) split into 2-byte stores alike.
 template <int N> __device__ __forceinline__ Pack<N> load_pack(const scalar_t* p) {
     if constexpr (sizeof(Pack<N>) == sizeof(uint4)) {
         const uint4 raw = *reinterpret_cast<const uint4*>(p);
@@ -131,6 +140,14 @@ template <int N> __device__ __forceinline__ void store_pack(scalar_t* p, const P
                      :: "l"(p), "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w) : "memory");
 #else
         *reinterpret_cast<uint4*>(p) = raw;
+#endif
+    } else if constexpr (N > 1 && sizeof(Pack<N>) == sizeof(uint2)) {  // the 8-bit kernels' 8-byte packs
+        uint2 raw;
+        memcpy(&raw, &v, sizeof(raw));
+#ifdef __CUDA_ARCH__
+        asm volatile("st.global.v2.b32 [%0], {%1, %2};" :: "l"(p), "r"(raw.x), "r"(raw.y) : "memory");
+#else
+        *reinterpret_cast<uint2*>(p) = raw;
 #endif
     } else {
         *reinterpret_cast<Pack<N>*>(p) = v;

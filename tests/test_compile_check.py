@@ -52,7 +52,7 @@ def test_every_kernel_dtype_and_arch_compiles_without_spills(matrix):
     assert len(JOBS) == (len(ARCHS) * len(VARIANTS) * len(SUPPORTED_DTYPES) if MATRIX == "full" else
                          (len(VARIANTS) + len(ARCHS) - 1) * len(SUPPORTED_DTYPES))
     assert seen == expected
-    assert len(kernel_names()) == (2 * 2 + 2) * len(PACKS_PER_THREAD)  # + the 8-bit saved x12 (scalar only)
+    assert len(kernel_names()) == (2 * 2 + 2 * 2) * len(PACKS_PER_THREAD)  # + the 8-bit saved x12, both widths
     assert len(kernel_names(DEFAULT_VARIANT, torch.float64)) == 2 * 2 * len(PACKS_PER_THREAD)
     fp8 = {kernel_name(kind, False, p, v) for kind in FP8_KERNEL_KINDS for p in PACKS_PER_THREAD for v in VARIANTS}
     assert {r.dtype for r in matrix if r.kernel in fp8} == {torch.float32, torch.bfloat16, torch.float16}
@@ -84,7 +84,17 @@ def _check_vector_accesses(ptx: str, variant, dtype):
     assert set(bodies) == set(kernel_names(variant, dtype))
     for name, body in bodies.items():
         vector_access = re.search(r"(ld|st)\.global\.v(4|2)\.(u32|b32|f32|u64|b64|f64)", body)
-        if "_vec_" in name:
+        if "_fp8_" in name:
+            # The 8-bit kernels: x12, h and dh move as 16-byte packs (an interleaved h
+            # and dh as 8-byte ones, e.g. ld.global.v4.u16), the codes as 4-byte words;
+            # no access of 1 or 2 bytes.
+            narrow = re.search(r"(ld|st)\.global\.((u8|b8|s8|u16|b16|s16|f16)|v2\.(u8|b8|s8))\s", body)
+            if "_vec_" in name:
+                assert not narrow, name
+                assert re.search(r"(ld|st)\.global\.v4\.(u32|b32|f32)", body), name
+            else:
+                assert not vector_access, name
+        elif "_vec_" in name:
             # Each pack of a thread's tile is one 16-byte load per input (gate,
             # up, and dh in backward) and one 16-byte store per output (h; or
             # dgate, dup, h), with no access split into narrower ones. An

@@ -410,33 +410,36 @@ def test_misuse_ends_with_an_error_naming_the_kernel(misuse_errors, kernel, reas
 def test_auto_mode_keeps_the_sequential_path_for_kernels_that_never_cooperate():
     assert execution_mode(COOPERATIVE_SOURCE) == "fibers"
     assert execution_mode("__global__ void k(float* y) { y[threadIdx.x] = 1; }") == "sequential"
-    for dtype in (torch.float16, torch.float64):  # kernels_cu today: no cooperation
-        assert execution_mode(host_exec.host_source(dtype)) == "sequential"
+    for dtype in (torch.float16, torch.float64):  # kernels_cu: the 8-bit kernels' lanes shuffle
+        assert execution_mode(host_exec.host_source(dtype)) == "fibers"
     with pytest.raises(ValueError, match="mode"):
         execution_mode(COOPERATIVE_SOURCE, "threads")
 
 
 def test_the_kernels_run_the_same_as_fibers():
-    """kernels_cu built for fibers (as "auto" builds it once a kernel
-    cooperates) gives bit-identical outputs to its sequential build."""
-    from swiglu_cupy import primitives
+    """kernels_cu's kernels that never cooperate (all but the 8-bit ones)
+    give bit-identical outputs built for fibers (as "auto" builds kernels_cu)
+    and built sequential."""
     from swiglu_cupy.kernels.sources import VARIANTS, compile_options, kernel_names
+    from swiglu_cupy.primitives import cuda_impl
 
     dtype = torch.float32
-    fibers = build_host_library(host_exec.host_source(dtype), [n for v in VARIANTS for n in kernel_names(v, dtype)],
-                                options=[o for o in compile_options(dtype) if o.startswith("-D")],
-                                mode="fibers", label="kernels_float32")
-    assert fibers.mode == "fibers"
+    names = [n for v in VARIANTS for n in kernel_names(v, dtype)]
+    defines = [o for o in compile_options(dtype) if o.startswith("-D")]
+    sequential = build_host_library(host_exec.host_source(dtype), names, options=defines, mode="sequential",
+                                    label="kernels_float32_sequential")
+    assert sequential.mode == "sequential" and host_exec.build_library(dtype).mode == "fibers"
 
-    class FiberLauncher(host_exec.HostLauncher):
+    class SequentialLauncher(host_exec.HostLauncher):
         def _library(self, d):
-            return fibers
+            return sequential
 
     x12 = torch.randn(33, 2 * 300, generator=torch.Generator().manual_seed(2))
     dh = torch.randn(33, 300, generator=torch.Generator().manual_seed(3))
     outputs = []
-    for launcher in (FiberLauncher(), host_exec.HostLauncher()):
-        outputs.append([primitives.swiglu_forward(x12, launcher=launcher),
-                        *primitives.swiglu_backward(x12, dh, launcher=launcher)])
+    for launcher in (host_exec.HostLauncher(), SequentialLauncher()):  # straight to the kernels: the
+        # first-use check would fail the sequential build (its 8-bit kernels need their shuffles)
+        outputs.append([cuda_impl.launch_swiglu_forward(x12, None, launcher=launcher),
+                        *cuda_impl.launch_swiglu_backward(x12, dh, None, launcher=launcher)])
     for as_fibers, sequentially in zip(*outputs):
         assert torch.equal(as_fibers, sequentially)

@@ -5,6 +5,7 @@ with (checkpoint, autocast, torch.compile; the memory modes it refuses).
 The kernels' side (host-executed) is at the end."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,96 @@ def test_kernel_encoder_is_bit_exact_with_torchs_cast_on_every_bf16_value(host_l
     assert torch.equal(q.view(torch.uint8), x12.float().to(torch.float8_e4m3fn).view(torch.uint8))
 
 
+QUANTIZE_SOURCE = r"""
+extern "C" __global__ void quantize_each(const float* x, const float* scale, unsigned char* q, long long n) {
+    for (long long i = 0; i < n; ++i) q[i] = E4m3Quantizer(scale[i])(x[i]);
+}
+"""
+
+
+def _quantizer_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, scale) pairs: for each scale, x = scale times every bf16 value of
+    magnitude <= 448 (the quotients the format meets, e4m3's midpoints
+    among them), rounded to fp32 and one and two fp32 ulps on either side;
+    also -0, NaN and x beside 0. Scales: ordinary, mantissa all ones, powers
+    of two, tiny (the 2^64 boost and its 2^-80 edge), near fp32's largest
+    over 448, and 0, inf and NaN."""
+    allbf16 = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    quotients = allbf16[allbf16.abs() <= 448]
+    ones = torch.tensor([0x3FFFFFFF, 0x1F7FFFFF, 0x5EFFFFFF], dtype=torch.int32).view(torch.float32)
+    scales = torch.cat([torch.tensor([1.0, 3.0, 0.1, 1 / 448, 7.3e-3, 2.0 ** -70, 2.0 ** -80, 2.0 ** -80 * 1.5,
+                                      2.0 ** -90, 3.3e-30, 2.0 ** 100, 3.4028234e38 / 448]), ones,
+                        torch.rand(8, generator=torch.Generator().manual_seed(3)) * 10])
+    xs, ss = [], []
+    for scale in scales:
+        x = quotients * scale
+        for step in (-2, -1, 0, 1, 2):
+            moved = x
+            for _ in range(abs(step)):
+                moved = torch.nextafter(moved, torch.full_like(moved, float("inf") if step > 0 else float("-inf")))
+            xs.append(moved)
+            ss.append(torch.full_like(moved, float(scale)))
+    specials = torch.tensor([-0.0, 0.0, float("nan"), 1.0, -3.0, float("inf"), float("-inf")])
+    for scale in (0.0, float("inf"), float("nan"), 1.0):
+        xs.append(specials)
+        ss.append(torch.full_like(specials, scale))
+    x, scale = torch.cat(xs), torch.cat(ss)
+    # The format never pairs an infinite x with a finite scale, nor a NaN x with a scale other
+    # than NaN: x makes its block's scale infinite or NaN.
+    keep = ~(x.isinf() & scale.isfinite()) & ~(x.isnan() & ~scale.isnan())
+    return x[keep], scale[keep]
+
+
+SCALE_SOURCE = r"""
+extern "C" __global__ void scale_each(const float* amax, float* scale, long long n) {
+    for (long long i = 0; i < n; ++i) scale[i] = fp8_block_scale(amax[i]);
+}
+"""
+
+
+def test_block_scale_is_bit_equal_to_dividing_by_448():
+    """The kernels' ``fp8_block_scale(amax)`` (no division routine) is torch's
+    float32 ``amax / 448`` bit for bit: every mantissa at exponents 0, -100
+    and 127 (a quotient's rounding depends on the mantissa only, while it is
+    normal: amax >= 448 x 2^-126), and 0, inf, NaN, the largest float.
+    Host-executed."""
+    from swiglu_cupy.kernels import host_exec
+    from swiglu_cupy.kernels.sources import compile_options, kernel_files_source
+
+    defines = [o for o in compile_options(torch.float32) if o.startswith("-D")]
+    lib = host_exec.build_host_library(kernel_files_source() + SCALE_SOURCE, ["scale_each"], options=defines,
+                                       label="fp8_block_scale")
+    mantissas = torch.arange(2 ** 23, dtype=torch.int32)
+    amax = torch.cat([(mantissas | (exponent + 127) << 23).view(torch.float32) for exponent in (0, -100, 127)]
+                     + [torch.tensor([0.0, float("inf"), float("nan"), 3.4028234663852886e38, 448 * 2.0 ** -126])])
+    scale = torch.empty_like(amax)
+    lib.launch("scale_each", (1, 1, 1), (1, 1, 1), [amax, scale, np.int64(amax.numel())])
+    assert torch.equal(scale.view(torch.int32), (amax / 448).view(torch.int32))
+
+
+@pytest.mark.parametrize("rcp_ulps", [0, -2, -1, 1, 2])
+def test_quantizer_is_bit_equal_to_dividing_with_an_inexact_reciprocal(rcp_ulps):
+    """The kernels' division-free quantizer gives the bytes of torch's
+    ``(x / scale).to(float8_e4m3fn)`` (an IEEE division, then the cast) with
+    the hardware reciprocal made up to 2 ulps wrong on purpose (MUFU.RCP is
+    within 1): the Newton step and the exact-residual correction absorb it.
+    Host-executed; ~2.4 M quotients."""
+    from swiglu_cupy.kernels import host_exec
+    from swiglu_cupy.kernels.sources import compile_options, kernel_files_source
+
+    defines = [o for o in compile_options(torch.float32) if o.startswith("-D")]
+    lib = host_exec.build_host_library(kernel_files_source() + QUANTIZE_SOURCE, ["quantize_each"],
+                                       options=[*defines, f"-DSWIGLU_HOST_RCP_ULPS={rcp_ulps}"],
+                                       label=f"quantizer_rcp{rcp_ulps}")
+    x, scale = _quantizer_cases()
+    q = torch.empty(x.numel(), dtype=torch.uint8)
+    lib.launch("quantize_each", (1, 1, 1), (1, 1, 1), [x, scale, q, np.int64(x.numel())])
+    with torch.no_grad():
+        expected = torch.where(scale == 0, 0.0, x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    bad = (q != expected).nonzero().flatten()
+    assert bad.numel() == 0, [(x[i].item(), scale[i].item(), q[i].item(), expected[i].item()) for i in bad[:5]]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("spec", [GLUActivation("silu"), GLUActivation("gelu_tanh", limit=1.5),
                                   GLUActivation("oai", limit=1.5, alpha=1.702, up_offset=1.0, interleaved=True),
@@ -207,10 +298,12 @@ def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
     scales identical to the CPU path's. Backward from the same saved tensor:
     dx12 and h within a few fp32 ulps of the CPU path (both fp32 math, one
     rounding; erf/tanh/exp differ by an ulp between libm and torch), the
-    clamp masks identical. Odd, partial-block and multi-block widths."""
+    clamp masks identical. Odd, partial-block and multi-block widths: the
+    16-byte instances where H is a multiple of the vector width, the others
+    elsewhere."""
     from conftest import glu_error_bounds
 
-    for M, H in [(3, 1), (4, 100), (2, 300)]:
+    for M, H in [(3, 1), (4, 100), (2, 300), (2, 301), (3, 258), (4, 104), (2, 392), (5, 136)]:
         gen = torch.Generator().manual_seed(M * H)
         x12 = (torch.randn(M, 2 * H, generator=gen) * 2).to(dtype)
         dh = torch.randn(M, H, generator=gen).to(dtype)
@@ -223,7 +316,8 @@ def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
         dx12_cpu, h_bwd_cpu = run.run_swiglu_backward_fp8(saved_cpu, dh, "torch", None, spec)
         variant = kernel_variant(spec)
         assert [n for n, *_ in host_launcher.launches if "_fp8_" in n] == [
-            kernel_name(kind, False, 1, variant) for kind in ("swiglu_forward_fp8", "swiglu_backward_fp8")]
+            kernel_name(kind, H % (16 // x12.element_size()) == 0, 1, variant)
+            for kind in ("swiglu_forward_fp8", "swiglu_backward_fp8")]
         x12_saved = saved_x12.dequantize_torch(saved_cpu, H, spec)
         h_bound, dx12_bound = glu_error_bounds(x12_saved.to(dtype), dh, spec, h_bwd_cpu, dx12_cpu)
         assert ((h_bwd.double() - h_bwd_cpu.double()).abs() <= h_bound).all()
@@ -240,7 +334,7 @@ def test_float64_builds_no_8_bit_kernels_and_their_launch_says_why(host_launcher
     from swiglu_cupy.kernels.sources import DEFAULT_VARIANT, kernel_names
 
     assert not [n for n in kernel_names(DEFAULT_VARIANT, torch.float64) if "_fp8_" in n]
-    assert len([n for n in kernel_names(DEFAULT_VARIANT, torch.float32) if "_fp8_" in n]) == 6
+    assert len([n for n in kernel_names(DEFAULT_VARIANT, torch.float32) if "_fp8_" in n]) == 12  # 2 kinds x 2 widths x 3
     x12, dh = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
     _, saved = run.run_swiglu_forward_fp8(x12.float(), "torch", None, SILU)
     host_launcher.launches.clear()

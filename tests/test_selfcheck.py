@@ -126,12 +126,12 @@ def test_a_correct_module_passes_once_and_its_probe_covers_the_shapes(host_launc
     names = {name for name, *_ in probe}
     assert names == ({f"glu_{d}_oai_clamp_pairs_{w}_p{p}" for d in ("forward", "backward")
                       for w in ("vec", "scalar") for p in (1, 2, 4)}     # all 12 entry points
-                     | {f"glu_{d}_fp8_oai_clamp_pairs_scalar_p{p}" for d in ("forward", "backward")
-                        for p in (1, 2, 4)})                             # and the 8-bit saved x12's 6
+                     | {f"glu_{d}_fp8_oai_clamp_pairs_{w}_p{p}" for d in ("forward", "backward")
+                        for w in ("vec", "scalar") for p in (1, 2, 4)})  # and the 8-bit saved x12's 12
     # A capped launch whose rows run past its one grid wave (the row loop).
     M = selfcheck.probe_rows(24, 8, selfcheck.probe_configs(), kernel_variant(spec), cuda_impl.HOST_SM_COUNT)
     assert any(grid[1] * block[1] < M for name, grid, block in probe if "fp8" not in name)
-    cols = cuda_impl.fp8_launch_columns(saved_x12.BLOCK + 3, spec)
+    cols = cuda_impl.fp8_launch_columns(saved_x12.BLOCK + 3, spec, torch.bfloat16)
     M8 = selfcheck.probe_rows(cols, 1, selfcheck.probe_configs(), kernel_variant(spec), cuda_impl.HOST_SM_COUNT)
     assert any(grid[1] * block[1] < M8 for name, grid, block in probe if "fp8" in name)
     ref_h, ref_dx12 = _fp64_reference(x12, dh, spec)
@@ -212,14 +212,14 @@ def test_a_wrong_fp8_saved_x12_kernel_is_caught_and_replaced(host_launcher):
     spec = sc.GLUActivation()
     launcher = FaultyFp8(host_launcher)
     config = sc.kernels.launch_config.LaunchConfig(1, 256, 1)     # capped at one wave
-    cols = cuda_impl.fp8_launch_columns(131, spec)
+    cols = cuda_impl.fp8_launch_columns(131, spec, torch.bfloat16)
     M = selfcheck.probe_rows(cols, 1, [config], kernel_variant(spec), cuda_impl.HOST_SM_COUNT)  # past that wave
     x12, _ = _inputs(M, 131, torch.bfloat16, spec, seed=5)
     wrong = cuda_impl.launch_swiglu_forward_fp8(x12, launcher, config, spec)[1]
     assert not torch.equal(wrong, saved_x12.quantize_torch(x12, spec))   # the fault is real
     with pytest.warns(RuntimeWarning, match="self-check FAILED") as caught:
         h, saved = run.run_swiglu_forward_fp8(x12, None, launcher, spec)
-    assert "swiglu_forward_fp8_scalar" in str(caught[0].message)   # the entry point that failed
+    assert "swiglu_forward_fp8_vec_p1" in str(caught[0].message)   # the entry point that failed (probed first)
     calls = launcher.calls
     h2, saved2 = run.run_swiglu_forward_fp8(x12, None, launcher, spec)
     assert launcher.calls == calls                     # the module's kernels never run again

@@ -22,7 +22,8 @@ def test_kernel_names_cover_every_packs_per_thread_candidate():
     assert packs == [1, 2, 4]
     expected = {f"swiglu_{kind}_{width}_p{p}" for kind in ("forward", "backward")
                 for width in ("vec", "scalar") for p in packs}
-    fp8 = {f"swiglu_{kind}_fp8_scalar_p{p}" for kind in ("forward", "backward") for p in packs}  # scalar only
+    fp8 = {f"swiglu_{kind}_fp8_{width}_p{p}" for kind in ("forward", "backward")
+           for width in ("vec", "scalar") for p in packs}  # vec: 4 elements per access
     assert set(_sources.kernel_names()) == expected | fp8
     assert all(f"GLU_{n.split('_')[1].upper()}_FP8_ENTRY({n}," in _sources.module_source() for n in fp8)
     src = _sources.module_source()
@@ -40,13 +41,13 @@ def test_kernel_names_cover_every_packs_per_thread_candidate():
 
 
 def test_every_variant_is_its_own_module_with_its_own_names():
-    """7 kinds x clamp x layout, 18 entry points each, names unique across
+    """7 kinds x clamp x layout, 24 entry points each, names unique across
     modules (the loader finds a kernel's module by its name)."""
     from swiglu_cupy.activations import GPT_OSS, KINDS, deepseek_v4
 
     assert len(_sources.VARIANTS) == len(KINDS) * 2 * 2 and _sources.VARIANTS[0] == _sources.DEFAULT_VARIANT
     names = [n for v in _sources.VARIANTS for n in _sources.kernel_names(v)]
-    assert len(names) == len(set(names)) == 18 * len(_sources.VARIANTS)
+    assert len(names) == len(set(names)) == 24 * len(_sources.VARIANTS)
     oai = _sources.kernel_variant(GPT_OSS)
     assert oai == ("oai", True, True) and _sources.kernel_variant(deepseek_v4(10.0)) == ("silu", True, False)
     src = _sources.module_source(oai)

@@ -29,8 +29,9 @@ library and the executor's own tests use it), and
   threads of the block's linear order (x fastest), as on a GPU.
 
 ``mode="auto"`` (the default) picks fibers exactly when the source names a
-cooperative primitive, so kernels that never cooperate (all of kernels_cu
-today) keep the sequential path. ``mode="sequential"`` on a cooperative
+cooperative primitive, so sources whose kernels never cooperate keep the
+sequential path (kernels_cu runs as fibers: the 8-bit kernels' lanes
+shuffle). ``mode="sequential"`` on a cooperative
 source runs each primitive as if its thread were alone in the block (what a
 one-thread-at-a-time executor can offer): the executor's tests use it to show
 that their kernels need cooperation.

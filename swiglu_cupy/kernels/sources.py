@@ -7,8 +7,8 @@ keyed on the source string and options only: an edited header must change the
 source, or a stale binary would be served after an upgrade.
 
 Each GLU variant (``KernelVariant``: activation kind x clamp x layout) is its
-own module of 18 entry points (direction x access width x packs per thread,
-and the 8-bit saved x12's direction x packs per thread; 12 for float64, which
+own module of 24 entry points (direction x access width x packs per thread,
+for the default kernels and for the 8-bit saved x12's; 12 for float64, which
 refuses ``saved_x12="fp8"``, so no 8-bit kernel of it would ever run),
 compiled lazily per (device, dtype, variant): SwiGLU alone compiles what it
 did before the other variants existed, and a model pays only for the
@@ -36,7 +36,8 @@ _CANDIDATE_DIRS = (_PACKAGE_DIR / "kernels_cu", _PACKAGE_DIR.parent / "kernels_c
 KERNEL_FILES = ("swiglu_forward.cu", "swiglu_backward.cu", "swiglu_fp8.cu")
 KERNEL_HEADERS = ("swiglu_common.cuh", "glu_activations.cuh", "fp8_e4m3.cuh")  # inlined by the files above
 KERNEL_KINDS = ("swiglu_forward", "swiglu_backward")  # each defines GLU_<DIR>[_PAIRS]_ENTRY(name, GLU, N, PACKS)
-# The 8-bit saved x12's kernels (swiglu_fp8.cu: GLU_<DIR>_FP8[_PAIRS]_ENTRY), one element per access only.
+# The 8-bit saved x12's kernels (swiglu_fp8.cu: GLU_<DIR>_FP8[_PAIRS]_ENTRY); their "vec" instances
+# move 4 elements per lane and access (not 16 bytes), the "scalar" ones one.
 FP8_KERNEL_KINDS = ("swiglu_forward_fp8", "swiglu_backward_fp8")
 
 CTYPE_OF_DTYPE = {
@@ -124,7 +125,7 @@ def module_source(variant: KernelVariant = DEFAULT_VARIANT) -> str:
 
 
 def variant_entries(variant: KernelVariant) -> str:
-    """One variant's functor typedef and its 18 entry points (appended to
+    """One variant's functor typedef and its 24 entry points (appended to
     the kernel files; the host harness appends several variants' at once).
     The 8-bit saved x12's are built only where ``SWIGLU_FP8_SAVED_X12`` is
     1 (:func:`compile_options`: not for float64)."""
@@ -132,9 +133,11 @@ def variant_entries(variant: KernelVariant) -> str:
     # SwiGLU keeps ptxas's own register choice (as before the other variants
     # existed). The others allow up to 65536 / 512 registers: left to its
     # heuristic, ptxas capped some of them at 64 on sm_90 and spilled.
-    # The 8-bit saved x12's kernels ask for two resident blocks (<= 64 registers at 512 threads:
-    # SwiGLU's occupancy rule; ptxas's own choice spilled one and took 68 registers for another).
+    # SwiGLU's 8-bit saved x12's kernels ask for two resident blocks (<= 64 registers at 512
+    # threads; ptxas's own choice spilled one and took 68 registers for another); the other
+    # variants' take the others' rule (the clamped GELUs' spilled at 64).
     min_blocks = "" if variant == DEFAULT_VARIANT else ", 1"
+    fp8_min_blocks = ", 2" if variant == DEFAULT_VARIANT else ", 1"
     lines = [f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
     for kind, vectorized, packs in _instances():
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
@@ -142,7 +145,7 @@ def variant_entries(variant: KernelVariant) -> str:
         macro = f"GLU_{kind.split('_')[1].upper()}{fp8}{'_PAIRS' if variant.interleaved else ''}_ENTRY"
         entry = ["#undef SWIGLU_LAUNCH_BOUNDS",
                  f"#define SWIGLU_LAUNCH_BOUNDS __launch_bounds__({max_threads_per_block(variant, packs)}"
-                 f"{', 2' if kind in FP8_KERNEL_KINDS else min_blocks})",
+                 f"{fp8_min_blocks if kind in FP8_KERNEL_KINDS else min_blocks})",
                  f"{macro}({kernel_name(kind, vectorized, packs, variant)}, {functor}, {width}, {packs})"]
         lines += ["#if SWIGLU_FP8_SAVED_X12", *entry, "#endif"] if kind in FP8_KERNEL_KINDS else entry
     return "\n".join(lines)
@@ -182,9 +185,8 @@ def _instances(dtype: torch.dtype | None = None):
     """(kind, vectorized, packs) of every entry point of ``dtype``'s modules
     (None: of the source, i.e. of the dtypes that build them all)."""
     fp8_kinds = FP8_KERNEL_KINDS if builds_fp8_kernels(dtype) else ()
-    return [(kind, vectorized, packs) for kind in KERNEL_KINDS
-            for vectorized in (True, False) for packs in PACKS_PER_THREAD] + [
-        (kind, False, packs) for kind in fp8_kinds for packs in PACKS_PER_THREAD]
+    return [(kind, vectorized, packs) for kind in (*KERNEL_KINDS, *fp8_kinds)
+            for vectorized in (True, False) for packs in PACKS_PER_THREAD]
 
 
 def kernel_name(kind: str, vectorized: bool, packs_per_thread: int,

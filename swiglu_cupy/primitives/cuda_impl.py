@@ -122,15 +122,17 @@ class LaunchPlan:
         self.launch(launcher, ref, M, H, vec,
                     (*map(np.uint64, pointers), np.int64(M), np.int64(H), *map(np.int64, strides)))
 
-    def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple) -> None:
-        """One launch over M rows of ``columns`` (``vec``: 1 or ``self.vec``);
+    def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple,
+               vectorized: bool | None = None) -> None:
+        """One launch over M rows of ``columns`` (``vec``: 1 or ``self.vec``)
+        of the wide instance when ``vectorized`` (default: ``vec > 1``);
         nothing for an empty tile."""
         if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
         device = ref.device
         grid, block = launch_shape(M, columns, vec, self.config, sm_count(device) if self.capped else 0)
-        (launcher or cupy_launcher()).launch(self.names[vec > 1], ref.dtype, device, grid, block,
-                                             (*args, *self.scalar_args))
+        (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], ref.dtype,
+                                             device, grid, block, (*args, *self.scalar_args))
 
 
 #: (kind, id(spec), dtype, id(config), clamp rule) -> (spec, config, plan): keyed by the
@@ -271,7 +273,22 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
 
 
 # ---- the 8-bit saved x12 (format: saved_x12.py) ------------------------------------------------
-# One thread per 128-column block (launched like packs with N = 1 over a row's blocks).
+# 128 / vec lanes per 128-column block (16 for 16-bit types, 32 for fp32), vec columns each:
+# launched like packs with N = 1 over a row's lane slots, rounded up to whole warps. The 16-byte
+# instances need what the other kernels' do: H, every row stride and every pointer at vec elements.
+
+def _fp8_vectorized(H: int, M: int, tensors: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the 16-byte instance can run on ``tensors`` (the 16/32-bit
+    operands; the saved tensor's rows are 4-byte aligned, which its word
+    accesses need)."""
+    vec = vector_width(tensors[0].dtype)
+    if H % vec:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or (M > 1 and t.stride(0) % vec):
+            return False
+    return True
+
 
 def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: LaunchConfig | None = None,
                               activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,7 +299,6 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
     h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
     saved = saved_x12.new_saved(M, H, activation.interleaved, x12.device)
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
-    blocks = saved_x12.scale_blocks(H, activation.interleaved)
     tail = [pointer(q), pointer(scales), i64(M), i64(H)]
     strides = [i64(_leading_dim(h)), i64(saved.stride(0)), i64(saved.stride(0) // 4)]
     if activation.interleaved:
@@ -291,7 +307,8 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
         args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
                 i64(_leading_dim(x12)), *strides]
     launch_plan("swiglu_forward_fp8", activation, x12.dtype, launch_config).launch(
-        launcher, x12, M, _blocks_per_thread_row(blocks, activation), 1, tuple(args))
+        launcher, x12, M, fp8_launch_columns(H, activation, x12.dtype), 1, tuple(args),
+        vectorized=_fp8_vectorized(H, M, (x12, h)))
     return h, saved
 
 
@@ -307,7 +324,6 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
     dx12 = torch.empty((M, 2 * H), dtype=dh.dtype, device=dh.device)
     h = torch.empty((M, H), dtype=dh.dtype, device=dh.device)
-    blocks = saved_x12.scale_blocks(H, activation.interleaved)
     head = [pointer(q), pointer(scales), pointer(dh)]
     strides = [i64(saved.stride(0)), i64(saved.stride(0) // 4), i64(_leading_dim(dh))]
     if activation.interleaved:
@@ -316,16 +332,15 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
         args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
                 i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
     launch_plan("swiglu_backward_fp8", activation, dh.dtype, launch_config).launch(
-        launcher, dh, M, _blocks_per_thread_row(blocks, activation), 1, tuple(args))
+        launcher, dh, M, fp8_launch_columns(H, activation, dh.dtype), 1, tuple(args),
+        vectorized=_fp8_vectorized(H, M, (dh, dx12, h)))
     return dx12, h
 
 
-def fp8_launch_columns(H: int, activation: GLUActivation) -> int:
-    """The columns the 8-bit saved x12's kernels spread over threads, per row."""
-    return _blocks_per_thread_row(saved_x12.scale_blocks(H, activation.interleaved), activation)
-
-
-def _blocks_per_thread_row(blocks: int, activation: GLUActivation) -> int:
-    """The columns the launch shape spreads over threads: a row's blocks
-    (halves: the gate's, each thread also takes the up block beside it)."""
-    return blocks if activation.interleaved else blocks // 2
+def fp8_launch_columns(H: int, activation: GLUActivation, dtype: torch.dtype) -> int:
+    """The lane slots the 8-bit saved x12's kernels spread over threads, per
+    row: 128 / vec lanes per block of a row (halves: per gate block; its
+    lanes also take the up block beside it), rounded up to whole warps."""
+    blocks = saved_x12.scale_blocks(H, activation.interleaved)
+    lanes = saved_x12.BLOCK // vector_width(dtype)
+    return -(-lanes * (blocks if activation.interleaved else blocks // 2) // 32) * 32

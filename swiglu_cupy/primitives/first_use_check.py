@@ -388,36 +388,38 @@ def probe_module(launcher, spec: GLUActivation, dtype: torch.dtype, device: torc
 
 def _probe_fp8(launcher, spec, dtype, device, configs, variant, sms) -> tuple[list, int]:
     """The 8-bit saved x12's forward (h and the saved bytes in one pass) and
-    backward (from the saved bytes) against the torch implementation."""
-    H = saved_x12.BLOCK + 3
-    cols = cuda_impl.fp8_launch_columns(H, spec)
-    M = max(probe_rows(cols, 1, configs, variant, sms), 5)
-    x12, dh = probe_inputs(spec, dtype, device, M, H, seed=7)
-    ref_h = torch_impl.swiglu_forward_torch(x12, None, spec)
-    ref_saved = saved_x12.quantize_torch(x12, spec)
-    read_back = saved_x12.dequantize_torch(ref_saved, H, spec)
-    ref_dx12, ref_h_bwd = (t.to(dtype) for t in torch_impl.swiglu_backward_torch(read_back, dh.float(),
-                                                                                activation=spec))
-    h_bound, _ = _bounds(x12, dh, spec, ref_h, ref_dx12)
-    h_bwd_bound, dx_bound = _bounds(read_back.to(dtype), dh, spec, ref_h_bwd, ref_dx12)
-    region = _clamp_region(read_back.to(dtype), spec) if spec.limit is not None else None
-    exact = torch.full(ref_saved.shape, 0.5, dtype=torch.float64, device=device)  # bytes: any difference is >= 1
+    backward (from the saved bytes) against the torch implementation, for
+    both widths: H = 136 runs the 16-byte instances, 131 the others (two
+    blocks per half, the second short)."""
     comparisons, launches = [], 0
-    for config in configs:
-        with probing():
-            h, saved = cuda_impl.launch_swiglu_forward_fp8(x12, launcher, config, spec)
-            dx12, h_bwd = cuda_impl.launch_swiglu_backward_fp8(ref_saved, dh, launcher, config, spec)
-        launches += 2
-        where = f"{config.label}, H={H}, M={M}"
-        packs = cuda_impl.effective_launch_config(config, variant).packs_per_thread
-        forward, backward = (kernel_name(kind, False, packs, variant)
-                             for kind in ("swiglu_forward_fp8", "swiglu_backward_fp8"))
-        comparisons += [
-            compare(f"{forward} h ({where})", h, ref_h, h_bound),
-            compare(f"{forward} saved bytes ({where})", saved, ref_saved, exact),
-            compare(f"{backward} dx12 ({where})", dx12, ref_dx12, dx_bound, region),
-            compare(f"{backward} h ({where})", h_bwd, ref_h_bwd, h_bwd_bound),
-        ]
+    for H, vectorized in ((saved_x12.BLOCK + 8, True), (saved_x12.BLOCK + 3, False)):
+        cols = cuda_impl.fp8_launch_columns(H, spec, dtype)
+        M = max(probe_rows(cols, 1, configs, variant, sms), 5)
+        x12, dh = probe_inputs(spec, dtype, device, M, H, seed=7)
+        ref_h = torch_impl.swiglu_forward_torch(x12, None, spec)
+        ref_saved = saved_x12.quantize_torch(x12, spec)
+        read_back = saved_x12.dequantize_torch(ref_saved, H, spec)
+        ref_dx12, ref_h_bwd = (t.to(dtype) for t in torch_impl.swiglu_backward_torch(read_back, dh.float(),
+                                                                                    activation=spec))
+        h_bound, _ = _bounds(x12, dh, spec, ref_h, ref_dx12)
+        h_bwd_bound, dx_bound = _bounds(read_back.to(dtype), dh, spec, ref_h_bwd, ref_dx12)
+        region = _clamp_region(read_back.to(dtype), spec) if spec.limit is not None else None
+        exact = torch.full(ref_saved.shape, 0.5, dtype=torch.float64, device=device)  # bytes: any difference is >= 1
+        for config in configs:
+            with probing():
+                h, saved = cuda_impl.launch_swiglu_forward_fp8(x12, launcher, config, spec)
+                dx12, h_bwd = cuda_impl.launch_swiglu_backward_fp8(ref_saved, dh, launcher, config, spec)
+            launches += 2
+            where = f"{config.label}, H={H}, M={M}"
+            packs = cuda_impl.effective_launch_config(config, variant).packs_per_thread
+            forward, backward = (kernel_name(kind, vectorized, packs, variant)
+                                 for kind in ("swiglu_forward_fp8", "swiglu_backward_fp8"))
+            comparisons += [
+                compare(f"{forward} h ({where})", h, ref_h, h_bound),
+                compare(f"{forward} saved bytes ({where})", saved, ref_saved, exact),
+                compare(f"{backward} dx12 ({where})", dx12, ref_dx12, dx_bound, region),
+                compare(f"{backward} h ({where})", h_bwd, ref_h_bwd, h_bwd_bound),
+            ]
     return comparisons, launches
 
 
