@@ -12,12 +12,12 @@ constant bank 0, so the walk goes round each loop as often as that thread
 does (the grid-stride loops once: the default launch is one tile per
 thread), takes the in-bounds side of every bounds test, and takes a math
 routine's fast path where a branch depends on data (``sass_walk._policy``).
-Every instruction on the path counts, predicated or not. The 8-bit kernels'
-loops over the columns of their block run their real count too (128, or 32
-when ptxas unrolled by 4), not once. The walked thread is lane 5 of an
-in-bounds warp of an [8, 65536] problem (``launch_for``). Then, per element
-(the thread's tile: pack width N x packs per thread; the 8-bit kernels'
-128-column blocks, 64 h columns per block when interleaved)::
+Every instruction on the path counts, predicated or not; the encoders and
+quantizers of the 8-bit kernels have no data-dependent branch, so their
+whole cost counts. The walked thread is lane 5 of an in-bounds warp of an
+[8, 65536] problem (``launch_for``). Then, per element (the thread's tile:
+pack width N x packs per thread; an 8-bit lane's N columns of its block,
+N / 2 h columns when interleaved)::
 
     issue time  = instr_per_elem / 32 / (SMs * 4 * clock)     4 schedulers, 1 warp instruction/clock each
     MUFU time   = mufu_per_elem / (SMs * 16 * clock)          16 MUFU lanes/clock/SM
@@ -30,7 +30,7 @@ converged and all its lanes take the walked path; no stall is modelled
 (latency, dependencies, memory-pipe throughput: it is a bound on issue, not a
 time); fp64 math issues like fp32 (the fp64 kernels are the checking dtype,
 not the fast one); every byte moves once between DRAM and the SM (the 8-bit
-forward's second pass over its block hits the cache).
+kernels' lanes all read their block's scales: one cached line).
 
 Bytes per element (h column; es = the element size):
 
@@ -147,9 +147,9 @@ def bytes_per_element(instance: Instance, dtype: torch.dtype) -> float:
 
 def elements_per_thread(instance: Instance, dtype: torch.dtype, variant: KernelVariant) -> int:
     """h elements one thread's tile holds."""
-    if instance.fp8:
-        per_block = FP8_BLOCK // 2 if variant.interleaved else FP8_BLOCK
-        return per_block * instance.packs
+    if instance.fp8:  # a lane holds vec x12 columns of a block (of each half: vec h columns)
+        per_lane = vector_width(dtype) // 2 if variant.interleaved else vector_width(dtype)
+        return per_lane * instance.packs
     return (vector_width(dtype) if instance.vectorized else 1) * instance.packs
 
 
@@ -181,7 +181,7 @@ class _Recorder:
 
 # The problem the walk launches: wide enough that every pack of the walked
 # thread's tile is in bounds for every instance (4 packs of 128 threads x 8
-# elements; 4 packs of 128 threads x 128-column blocks for the 8-bit kernels).
+# elements; the 8-bit kernels' lanes need far fewer columns).
 MODEL_ROWS = 8
 MODEL_H = 65536
 
@@ -190,7 +190,7 @@ def launch_for(name: str, dtype: torch.dtype, variant: KernelVariant = DEFAULT_V
                config: LaunchConfig | None = None) -> KernelLaunch:
     """The launch of kernel ``name`` that the host code builds for an
     [8, 65536] problem (65535 for the scalar instances, which the host picks
-    when H is not a multiple of the vector width), with ``config`` (default:
+    when H is not a multiple of the vector width, or of 4 for the 8-bit kernels), with ``config`` (default:
     ``DEFAULT_LAUNCH`` with the instance's packs per thread). The walked
     thread is lane 5 of the middle row of blocks, x-block 0."""
     from ..primitives import cuda_impl, saved_x12
@@ -198,7 +198,7 @@ def launch_for(name: str, dtype: torch.dtype, variant: KernelVariant = DEFAULT_V
     instance = instance_of(name, variant)
     config = config or LaunchConfig(instance.packs, DEFAULT_LAUNCH.threads_per_block, DEFAULT_LAUNCH.grid_waves)
     spec = activation_of(variant)
-    H = MODEL_H if instance.vectorized or instance.fp8 else MODEL_H - 1
+    H = MODEL_H if instance.vectorized else MODEL_H - 1
     M = MODEL_ROWS
     rec = _Recorder()
     x12 = torch.empty((M, 2 * H), dtype=dtype)
@@ -420,22 +420,23 @@ def local_memory_problems(code: KernelCode) -> list[str]:
 
 def access_width_problems(code: KernelCode, vectorized: bool, fp8: bool = False) -> list[str]:
     """A 16-byte (``_vec_``) instance moves 16 bytes per lane in every global
-    access; the other instances never do (they take any alignment); the
-    8-bit saved x12's kernels make no 1- or 2-byte access per lane in their
-    hot loop (issue 42's coalescing goal)."""
+    access, except the 8-bit saved x12's, whose 16-byte instances make no 1-
+    or 2-byte access per lane in their hot loop (issue 42's coalescing goal:
+    their codes move as 4-byte words, an interleaved h as 8 bytes); the
+    other instances never move 16 bytes (they take any alignment)."""
     out = []
-    if vectorized:
+    if vectorized and fp8:
+        narrow = {n: k for n, k in code.hot_loop_accesses.items() if _width_of(n) < 4}
+        if narrow or not code.hot_loop_accesses:
+            out.append(f"1-2 B per lane in the hot loop: {_widths(Counter(narrow))}")
+    elif vectorized:
         narrow = {n: k for n, k in code.all_accesses.items() if _width_of(n) != 16}
         if narrow or not code.all_accesses:
             out.append(f"narrower than 16 B in a 16-byte instance: {_widths(Counter(narrow))}")
-    elif not fp8:
+    else:
         wide = {n: k for n, k in code.all_accesses.items() if _width_of(n) == 16}
         if wide:
             out.append(f"16-byte accesses in an any-alignment instance: {_widths(Counter(wide))}")
-    if fp8:
-        narrow = {n: k for n, k in code.hot_loop_accesses.items() if _width_of(n) < 4}
-        if narrow:
-            out.append(f"1-2 B per lane in the hot loop: {_widths(Counter(narrow))}")
     return out
 
 
@@ -472,16 +473,16 @@ class Goal:
 
 def goal_for(variant: KernelVariant, dtype: torch.dtype, kernel: str) -> Goal | None:
     """Issue 42's goal for a kernel's issue/memory ratio on the default
-    launch (``*_vec_p1``, and the 8-bit kernels' ``*_p1``), or None (other
-    instances, and float64, the checking dtype, have no goal)."""
+    launch (``*_vec_p1``), or None (other instances, and float64, the
+    checking dtype, have no goal)."""
     if dtype == torch.float64 or not kernel.endswith("_p1"):
         return None
     instance = instance_of(kernel, variant)
+    if not instance.vectorized:
+        return None
     if instance.fp8:
         parts = ("H100", "B200") if variant == DEFAULT_VARIANT else ("H100",)
         return Goal(parts, 1.0, "8-bit saved x12 kernels: <= 1.0")
-    if not instance.vectorized:
-        return None
     if variant == DEFAULT_VARIANT:
         return Goal(("H100", "B200"), 0.60, "SwiGLU: <= 0.60 on H100 and B200")
     return Goal(("H100",), 0.80, "other GLU variants: <= 0.80 on H100")
