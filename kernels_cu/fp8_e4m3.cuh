@@ -121,8 +121,6 @@ struct E4m3Quantizer {
         const float q = fmaf(inv, fmaf(-scale, q0, a), q0);
         return f32_from_bits(f32_bits(q) | (f32_bits(v) & sign));
     }
-
-    __device__ __forceinline__ unsigned char operator()(float v) const { return e4m3_from_float(quotient(v)); }
 };
 
 // Two codes in one 16-bit word (lo in bits 0-7): sm_89 on converts a pair in

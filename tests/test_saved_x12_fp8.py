@@ -201,7 +201,7 @@ def test_kernel_encoder_is_bit_exact_with_torchs_cast_on_every_bf16_value(host_l
 
 QUANTIZE_SOURCE = r"""
 extern "C" __global__ void quantize_each(const float* x, const float* scale, unsigned char* q, long long n) {
-    for (long long i = 0; i < n; ++i) q[i] = E4m3Quantizer(scale[i])(x[i]);
+    for (long long i = 0; i < n; ++i) q[i] = e4m3_from_float(E4m3Quantizer(scale[i]).quotient(x[i]));
 }
 """
 

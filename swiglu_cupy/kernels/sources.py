@@ -37,7 +37,7 @@ KERNEL_FILES = ("swiglu_forward.cu", "swiglu_backward.cu", "swiglu_fp8.cu")
 KERNEL_HEADERS = ("swiglu_common.cuh", "glu_activations.cuh", "fp8_e4m3.cuh")  # inlined by the files above
 KERNEL_KINDS = ("swiglu_forward", "swiglu_backward")  # each defines GLU_<DIR>[_PAIRS]_ENTRY(name, GLU, N, PACKS)
 # The 8-bit saved x12's kernels (swiglu_fp8.cu: GLU_<DIR>_FP8[_PAIRS]_ENTRY); their "vec" instances
-# move 4 elements per lane and access (not 16 bytes), the "scalar" ones one.
+# move 16-byte packs of x12, h and dh (and the codes as 4-byte words), the "scalar" ones one element.
 FP8_KERNEL_KINDS = ("swiglu_forward_fp8", "swiglu_backward_fp8")
 
 CTYPE_OF_DTYPE = {
@@ -229,4 +229,4 @@ def compile_options(dtype: torch.dtype) -> tuple[str, ...]:
 
 def vector_width(dtype: torch.dtype) -> int:
     """Elements per 16-byte access, as SWIGLU_VEC_WIDTH in the kernels."""
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize

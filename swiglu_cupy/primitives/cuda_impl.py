@@ -162,7 +162,7 @@ def _build_plan(kind, activation, dtype, config, gradient_at_bound) -> LaunchPla
     config = effective_launch_config(config, variant)
     names = (kernel_name(kind, False, config.packs_per_thread, variant),
              kernel_name(kind, True, config.packs_per_thread, variant))
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     return LaunchPlan(names, vector_width(dtype), itemsize, config,
                       _scalar_args(activation, dtype is torch.float64, gradient_at_bound), config.grid_waves is not None)
 
@@ -280,7 +280,8 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
 def _fp8_vectorized(H: int, M: int, tensors: tuple[torch.Tensor, ...]) -> bool:
     """Whether the 16-byte instance can run on ``tensors`` (the 16/32-bit
     operands; the saved tensor's rows are 4-byte aligned, which its word
-    accesses need)."""
+    accesses need): :meth:`LaunchPlan.launch_rows`'s rule, which that hot
+    path keeps inline (a call there is a frame on every dense launch)."""
     vec = vector_width(tensors[0].dtype)
     if H % vec:
         return False
