@@ -213,3 +213,310 @@ def test_proved_switch_stays_proved_when_patched_again_on_meta():
     module.to("meta")
     again = sc.patch(model)
     assert again.fused["ffn"].endswith("(already fused)") and module._swiglu_cupy_proof is None, str(again)
+
+
+# --- Hugging Face experts: the fused forward against the implementation the module had -------
+
+def _hf_experts(family="mixtral"):
+    pytest.importorskip("transformers")
+    from swiglu_cupy.tools.bench.moe import experts_modules, tiny_model
+
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    return model, experts_modules(model)
+
+
+def _hf_routing(module, tokens=11, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, module.config.hidden_size, generator=gen)
+    top, ids = torch.randn(tokens, module.num_experts, generator=gen).topk(2, dim=-1)
+    return hidden, ids, top.softmax(-1)
+
+
+def _scaled_by(function, factor):
+    """An experts function whose math changed: ``function``'s output times ``factor``."""
+    def changed(self, hidden_states, top_k_index, top_k_weights):
+        return function(self, hidden_states, top_k_index, top_k_weights) * factor
+    return changed
+
+
+def test_hf_experts_unchanged_are_fused_after_the_forward_check():
+    import swiglu_cupy.hf_experts as hx
+
+    model, experts = _hf_experts()
+    assert hx.patch_experts(model) == len(experts) > 0
+    assert all(hx.experts_plan(m).activation is not None and not hx.experts_plan(m).pending for m in experts)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_hf_experts_changed_implementation_is_refused_and_its_math_runs(family, monkeypatch):
+    """A transformers release whose experts function (here grouped_mm, the
+    one the module had) computes other math: the module stays on it."""
+    import swiglu_cupy.hf_experts as hx
+    import swiglu_cupy.integrations.hf_experts as hf_experts_module
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    model, experts = _hf_experts(family)
+    changed = _scaled_by(ALL_EXPERTS_FUNCTIONS["grouped_mm"], 1.5)
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._local_mapping, "grouped_mm", changed)
+    hf_experts_module._WARNED.discard(type(experts[0]))
+    with pytest.warns(UserWarning, match="probe mismatch: its 'grouped_mm' implementation disagrees"):
+        assert hx.patch_experts(model) == 0
+    module = experts[0]
+    assert "probe mismatch" in hx.experts_plan(module).reason
+    routing = _hf_routing(module)
+    with torch.no_grad():
+        assert torch.equal(module(*routing), changed(module, *routing))
+
+
+def test_hf_experts_changed_own_forward_is_refused_under_eager(monkeypatch):
+    """Under the "eager" implementation the class's own forward is the
+    reference: its math changed (the routing weights squared), it is kept."""
+    import swiglu_cupy.hf_experts as hx
+    from transformers.integrations import moe as moe_integration
+
+    model, experts = _hf_experts()
+    original_cls = type(experts[0])
+    reference = original_cls.forward.__wrapped__
+
+    def squared_weights(self, hidden_states, top_k_index, top_k_weights):
+        return reference(self, hidden_states, top_k_index, top_k_weights ** 2)
+
+    changed_cls = moe_integration.use_experts_implementation(
+        type("ChangedExperts", (original_cls,), {"forward": squared_weights}))
+    model.set_experts_implementation("eager")
+    for m in experts:
+        m.__class__ = changed_cls
+    with pytest.warns(UserWarning, match=r"probe mismatch: its 'eager' implementation"):
+        assert hx.patch_experts(model) == 0
+    routing = _hf_routing(experts[0])
+    with torch.no_grad():
+        assert torch.equal(experts[0](*routing), squared_weights(experts[0], *routing))
+    for m in experts:  # the class's unchanged forward under eager: fused
+        m.__class__ = original_cls
+    assert hx.patch_experts(model) == len(experts)
+
+
+def test_hf_experts_no_reference_runs_is_refused_with_what_failed(monkeypatch):
+    import swiglu_cupy.hf_experts as hx
+    import swiglu_cupy.integrations.hf_experts as hf_experts_module
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    def no_driver(self, *args):
+        raise RuntimeError("0 active drivers\nmore")
+
+    model, experts = _hf_experts()
+    monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._local_mapping, "grouped_mm", no_driver)
+    monkeypatch.setattr(type(experts[0]).forward, "__wrapped__", no_driver)
+    hf_experts_module._WARNED.discard(type(experts[0]))
+    with pytest.warns(UserWarning, match="0 active drivers"):
+        assert hx.patch_experts(model) == 0
+    assert hx.experts_plan(experts[0]).reason.endswith(
+        "could not be probed: its forward failed on a probe input (RuntimeError: 0 active drivers)")
+
+
+@pytest.mark.parametrize("changed,strict", [(False, False), (True, False), (True, True)])
+def test_hf_experts_patched_on_meta_are_checked_at_the_first_forward(changed, strict, monkeypatch):
+    """Patched as a skeleton (meta): the plan waits; the first forward on real
+    weights makes the check. A changed implementation is refused then, with a
+    warning (an error under SWIGLU_CUPY_STRICT=1), and its math runs."""
+    import swiglu_cupy.hf_experts as hx
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    _, (reference, *_) = _hf_experts()
+    with torch.device("meta"):
+        module = type(reference)(reference.config)
+    assert hx.patch_experts(nn.Sequential(module)) == 1
+    assert hx.experts_plan(module).pending
+    module.to_empty(device="cpu")
+    module.load_state_dict(reference.state_dict())
+    expected_fn = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    if changed:
+        expected_fn = _scaled_by(expected_fn, 1.5)
+        monkeypatch.setitem(ALL_EXPERTS_FUNCTIONS._local_mapping, "grouped_mm", expected_fn)
+    routing = _hf_routing(module)
+    with torch.no_grad():
+        if strict:
+            monkeypatch.setenv("SWIGLU_CUPY_STRICT", "1")
+            with pytest.raises(RuntimeError, match="checked at its first forward and stays unfused"):
+                module(*routing)
+        elif changed:
+            with pytest.warns(RuntimeWarning, match="checked at its first forward and stays unfused.*probe mismatch"):
+                module(*routing)
+        y = module(*routing)   # settled: no second check, no second warning
+        expected = expected_fn(module, *routing)
+    plan = hx.experts_plan(module)
+    assert not plan.pending and (plan.activation is None) == changed
+    if changed:
+        assert torch.equal(y, expected)
+    else:
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def run_hf_expert_parallel_rank(case, rank, world):
+    """One rank of transformers' distributed engine (tensor and expert
+    parallel over 2 gloo ranks, ``case = (path, ep_implementation)``): the
+    experts' weights are DTensors; logits with grouped_mm, with swiglu_cupy,
+    and with swiglu_cupy over a changed grouped_mm, and the plans."""
+    import swiglu_cupy.hf_experts as hx
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from swiglu_cupy.tools.bench.moe import experts_modules
+
+    path, mode = case
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = {}
+    grouped_mm = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    for name, implementation in [("grouped_mm", "grouped_mm"), ("fused", hx.NAME), ("changed", "grouped_mm"),
+                                 ("changed_fused", hx.NAME)]:
+        if name.startswith("changed"):
+            ALL_EXPERTS_FUNCTIONS._local_mapping["grouped_mm"] = _scaled_by(grouped_mm, 1.5)
+        config = DistributedConfig(fsdp_size=1, tp_size=world, ep_size=world, ep_implementation=mode)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32,
+                                                     experts_implementation=implementation)
+        with torch.no_grad():
+            out[name] = model(ids).logits
+        experts = experts_modules(model)
+        out[name + "_weights_dtensor"] = type(experts[0].gate_up_proj).__name__ == "DTensor"
+        if implementation == hx.NAME:
+            out[name + "_plans"] = [(hx.experts_plan(m).activation is not None, hx.experts_plan(m).reason)
+                                    for m in experts]
+    ALL_EXPERTS_FUNCTIONS._local_mapping.pop("grouped_mm", None)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "all_reduce"])
+def test_hf_experts_under_transformers_expert_parallel_are_checked_on_their_shards(mode, tmp_path, monkeypatch):
+    """Under transformers' own distributed engine the experts' weights are
+    DTensors: the forward check runs on each rank's local shards; the fused
+    experts give grouped_mm's logits exactly, and a changed grouped_mm is
+    refused on every rank and its math runs."""
+    pytest.importorskip("transformers.distributed.expert_parallel", exc_type=ImportError)
+    import rank_launcher
+    from swiglu_cupy.tools.bench.moe import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
+    for out in rank_launcher.launch(run_hf_expert_parallel_rank, (str(tmp_path / "mixtral"), mode), tmp_path,
+                                    monkeypatch, 2, 240):
+        assert out["fused_weights_dtensor"]
+        assert all(fused for fused, _ in out["fused_plans"]), out["fused_plans"]
+        assert torch.equal(out["fused"], out["grouped_mm"])
+        assert not any(fused for fused, _ in out["changed_fused_plans"])
+        assert all("probe mismatch" in reason for _, reason in out["changed_fused_plans"])
+        assert torch.equal(out["changed_fused"], out["changed"])
+        assert not torch.allclose(out["changed"], out["grouped_mm"])
+
+
+def run_hf_expert_parallel_rank(case, rank, world):
+    """One rank of transformers' distributed engine (tensor and expert
+    parallel over 2 gloo ranks, ``case = (path, ep_implementation)``): the
+    experts' weights are DTensors; logits with grouped_mm, with swiglu_cupy,
+    and with swiglu_cupy over a changed grouped_mm, and the plans."""
+    import swiglu_cupy.hf_experts as hx
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    from swiglu_cupy.tools.bench.moe import experts_modules
+
+    path, mode = case
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    out = {}
+    grouped_mm = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    for name, implementation in [("grouped_mm", "grouped_mm"), ("fused", hx.NAME), ("changed", "grouped_mm"),
+                                 ("changed_fused", hx.NAME)]:
+        if name.startswith("changed"):
+            ALL_EXPERTS_FUNCTIONS._local_mapping["grouped_mm"] = _scaled_by(grouped_mm, 1.5)
+        config = DistributedConfig(fsdp_size=1, tp_size=world, ep_size=world, ep_implementation=mode)
+        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32,
+                                                     experts_implementation=implementation)
+        with torch.no_grad():
+            out[name] = model(ids).logits
+        experts = experts_modules(model)
+        out[name + "_weights_dtensor"] = type(experts[0].gate_up_proj).__name__ == "DTensor"
+        if implementation == hx.NAME:
+            out[name + "_plans"] = [(hx.experts_plan(m).activation is not None, hx.experts_plan(m).reason)
+                                    for m in experts]
+    ALL_EXPERTS_FUNCTIONS._local_mapping.pop("grouped_mm", None)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "all_reduce"])
+def test_hf_experts_under_transformers_expert_parallel_are_checked_on_their_shards(mode, tmp_path, monkeypatch):
+    """Under transformers' own distributed engine the experts' weights are
+    DTensors: the forward check runs on each rank's local shards; the fused
+    experts give grouped_mm's logits exactly, and a changed grouped_mm is
+    refused on every rank and its math runs."""
+    pytest.importorskip("transformers.distributed.expert_parallel", exc_type=ImportError)
+    import rank_launcher
+    from swiglu_cupy.tools.bench.moe import tiny_model
+
+    torch.manual_seed(0)
+    tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
+    for out in rank_launcher.launch(run_hf_expert_parallel_rank, (str(tmp_path / "mixtral"), mode), tmp_path,
+                                    monkeypatch, 2, 240):
+        assert out["fused_weights_dtensor"]
+        assert all(fused for fused, _ in out["fused_plans"]), out["fused_plans"]
+        assert torch.equal(out["fused"], out["grouped_mm"])
+        assert not any(fused for fused, _ in out["changed_fused_plans"])
+        assert all("probe mismatch" in reason for _, reason in out["changed_fused_plans"])
+        assert torch.equal(out["changed_fused"], out["changed"])
+        assert not torch.allclose(out["changed"], out["grouped_mm"])
+
+
+# --- activations that agree within a 16-bit dtype's rounding: decided in float64 ----------------
+
+class _InlineActivationMLP(nn.Module):
+    """A GLU feed-forward that calls its activation inline (no act module to
+    recognise by value): exact GELU, its tanh form or quick GELU."""
+
+    def __init__(self, form, d=64, h=128):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False)
+        self.w2 = nn.Linear(h, d, bias=False)
+        self.form = form
+
+    def forward(self, x):  # no attribute holds the activation: every known kind is a candidate
+        a = self.w1(x)
+        if self.form == "quick":
+            a = a * torch.sigmoid(1.702 * a)
+        else:
+            a = nn.functional.gelu(a, approximate="tanh" if self.form == "tanh" else "none")
+        return self.w2(a * self.w3(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("form,expected", [("exact", "gelu"), ("tanh", "gelu_tanh"), ("quick", "oai")])
+def test_activations_alike_in_16_bits_are_told_apart(form, expected, dtype):
+    """Exact GELU in bf16 used to be fused as its tanh form (the first
+    candidate within bf16's rounding): the float64 copy decides."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_InlineActivationMLP(form)).to(dtype)
+    report = sc.patch(model)
+    assert report.fused["0"].startswith(expected + ":") or report.fused["0"].startswith(expected + ","), report
+    x = torch.randn(5, 64, dtype=dtype)
+    with torch.no_grad():
+        plain = _InlineActivationMLP(form).to(dtype)
+        plain.load_state_dict(model[0].state_dict())
+        exact = plain.double()(x.double())
+        plain.to(dtype)
+        err_fused = (model(x).double() - exact).norm() / exact.norm()
+        err_plain = (plain(x).double() - exact).norm() / exact.norm()
+    assert err_fused <= 2 * err_plain + 1e-12, (err_fused, err_plain)  # as close to float64 as unpatched
+
+
+class _Float64Refusing(_InlineActivationMLP):
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise TypeError("no float64 kernel\nmore")
+        return super().forward(x)
+
+
+def test_activations_alike_and_no_float64_forward_is_refused_with_the_reason():
+    model = nn.Sequential(_Float64Refusing("exact")).to(torch.bfloat16)
+    report = sc.patch(model)
+    reason = report.skipped["0"]
+    assert "within torch.bfloat16's rounding and could not run in float64" in reason, reason
+    assert reason.endswith("(TypeError: no float64 kernel)")
+    assert type(model[0]) is _Float64Refusing

@@ -25,6 +25,15 @@ Each module's gate is honoured, never approximated:
   learnable activation or an ungated expert (``has_gate=False``) is left
   unfused, with one warning per class: that module keeps the implementation
   it had (Hugging Face's ``grouped_mm`` by default).
+- then the whole experts forward is checked (fail closed: a transformers
+  release that changes the routing, the combine, a layout or a flag's
+  meaning): the fused forward and the implementation the module had (its
+  class's own forward where that one cannot run) on a probe routed to two
+  experts, in the module's dtype, must agree, or the module stays unfused
+  with the reason. Weights that cannot be computed with yet (meta device,
+  ZeRO-3 partitions) leave the plan pending: the check runs at the first
+  forward on real weights (a refusal then warns, ``SWIGLU_CUPY_STRICT=1``
+  raises). DTensor weights are checked on their local shards.
 Flags: ``has_bias``, ``is_transposed``, ``has_post_expert_norm`` (the
 routing weight then multiplies the normed output), and the expert-parallel
 sentinels (``_is_expert_parallel``: ids >= num_experts contribute zero and no
@@ -34,6 +43,7 @@ Hugging Face does.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import warnings
@@ -46,8 +56,11 @@ from .._validation import check_flags, check_saved_x12, check_tile_rows
 from ..activations import GPT_OSS, GLUActivation
 from .._validation import check_expert_ids
 from ..moe.routing import route_and_combine
-from .plan_runner import _zero3
+from .fused import refuse_at_first_forward, unmaterialised
+from .plan_runner import _zero3, is_dtensor
+from .probe import describe_error
 from .recognition import KNOWN_ACTIVATIONS, identify_activation, rows_agree
+from .switch_proof import probe_tensor
 from ..reference import glu_reference, split_gate_up
 
 __all__ = ["NAME", "register", "patch_experts", "experts_forward", "experts_plan", "is_hf_experts", "ExpertsPlan"]
@@ -68,6 +81,8 @@ class ExpertsPlan:
     reason: str = ""
     saved_x12: str | None = None   # "fp8": x12 saved in 8 bits (see swiglu_cupy.swiglu)
     tile_rows: int | str | None = None   # tokens per tile, or "auto" (see swiglu_cupy.moe.routed_experts)
+    #: The forward check waits for real weights (meta, ZeRO-3 partitions): made at the first forward.
+    pending: bool = False
 
 
 # ---- transformers hooks (imported lazily: 3 s) ---------------------------------------------
@@ -205,7 +220,72 @@ def _resolve(module, recompute_gate_up: bool, fallback: str, saved_x12=None, til
                        f"{'transposed' if transposed else 'standard'} layout")
     if not _gate_matches(module, spec, two_i):
         return unfused(f"its _apply_gate does not compute {spec} on a probe")
-    return ExpertsPlan(spec, transposed, recompute_gate_up, fallback, saved_x12=saved_x12, tile_rows=tile_rows)
+    plan = ExpertsPlan(spec, transposed, recompute_gate_up, fallback, saved_x12=saved_x12, tile_rows=tile_rows)
+    if unmaterialised(module):
+        return dataclasses.replace(plan, pending=True)
+    reason = _forward_mismatch(module, plan)
+    return plan if reason is None else unfused(reason)
+
+
+# ---- the forward check: the fused forward against the implementation the module had ----------
+
+def _local_view(module: nn.Module) -> nn.Module:
+    """``module``, or where its weights are DTensors (transformers'
+    distributed engine) a shallow copy holding their local shards, with
+    ``num_experts`` the local count: what one rank's experts compute."""
+    if not any(is_dtensor(p) for p in module.parameters(recurse=False)):
+        return module
+    view = object.__new__(type(module))
+    view.__dict__ = dict(module.__dict__)
+    view._parameters = {k: (p.to_local() if is_dtensor(p) else p) for k, p in module._parameters.items()}
+    view.num_experts = view._parameters["gate_up_proj"].shape[0]
+    return view
+
+
+def _probe_routing(module: nn.Module, plan: ExpertsPlan):
+    """Six tokens in the weights' dtype and device, each routed to two
+    experts (all of them when there are fewer than six), with unequal weights."""
+    w12 = module.gate_up_proj
+    experts = w12.shape[0]
+    hidden = probe_tensor((6, w12.shape[1] if plan.transposed else w12.shape[2]), w12)
+    k = min(2, experts)
+    ids = (torch.arange(6).unsqueeze(1) + torch.arange(k).unsqueeze(0)) % experts
+    weights = torch.linspace(0.2, 0.9, 6 * k, dtype=torch.float32).reshape(6, k)
+    return hidden, ids.to(hidden.device), weights.to(hidden.device, hidden.dtype)
+
+
+def _run_probe(fn):
+    try:
+        with torch.no_grad():
+            return fn(), None
+    except Exception as error:
+        return None, error
+
+
+def _forward_mismatch(module: nn.Module, plan: ExpertsPlan) -> str | None:
+    """None when the fused forward agrees with the implementation the
+    module had (``plan.fallback``; where that fails on the probe, the class's
+    own forward) on a probe, else the reason."""
+    view = _local_view(module)
+    try:
+        args = _probe_routing(view, plan)
+    except Exception as error:
+        return "its forward could not be checked: no probe input for its weights" + describe_error(error)
+    own_forward = type(module).forward.__wrapped__
+    expected, error = _run_probe(lambda: _fallback(view, plan.fallback)(view, *args))
+    where = f"its {plan.fallback!r} implementation"
+    if not isinstance(expected, torch.Tensor):
+        expected, own_error = _run_probe(lambda: own_forward(view, *args))
+        where = f"its own forward ({own_forward.__module__}.{own_forward.__qualname__})"
+        if not isinstance(expected, torch.Tensor):
+            return "could not be probed: its forward failed on a probe input" + describe_error(own_error or error)
+    actual, error = _run_probe(lambda: _fused_forward(view, plan, *args))
+    if not isinstance(actual, torch.Tensor):
+        return "the fused forward failed on a probe input" + describe_error(error)
+    if not rows_agree(expected, actual, args[0].dtype):
+        return (f"probe mismatch: {where} disagrees with the fused experts forward on a probe input "
+                f"({args[0].dtype}): a transformers version whose experts forward changed? left unfused")
+    return None
 
 
 def _full_shape(t: torch.Tensor) -> torch.Size:
@@ -219,7 +299,8 @@ _WARNED: set = set()
 
 
 def experts_plan(module: nn.Module) -> ExpertsPlan:
-    """The module's plan (resolved once, then kept on the module)."""
+    """The module's plan (resolved once, then kept on the module; a pending
+    one is shown as it will run once its forward check passes)."""
     plan = module.__dict__.get(_PLAN_ATTR)
     if plan is None:
         plan = _resolve_once(module)
@@ -231,6 +312,24 @@ def _resolve_once(module: nn.Module) -> ExpertsPlan:
     plan = _resolve(module, False, "grouped_mm")
     _store(module, plan)
     return plan
+
+
+@torch.compiler.disable
+def _settle(module: nn.Module, plan: ExpertsPlan) -> ExpertsPlan:
+    """A pending plan's forward check, at a forward on real weights (ZeRO-3
+    has gathered them here); still unmaterialised: pending, unfused meanwhile."""
+    if unmaterialised(module):
+        return plan
+    reason = _forward_mismatch(module, plan)
+    if reason is None:
+        settled = dataclasses.replace(plan, pending=False)
+    else:
+        settled = ExpertsPlan(None, fallback=plan.fallback, reason=f"{type(module).__name__}: {reason}")
+    module.__dict__[_PLAN_ATTR] = settled
+    if reason is not None:
+        refuse_at_first_forward(f"swiglu_cupy: an experts module patched on the meta device (or partitioned) was "
+                                f"checked at its first forward and stays unfused: {settled.reason}", stacklevel=4)
+    return settled
 
 
 def _store(module: nn.Module, plan: ExpertsPlan) -> None:
@@ -247,9 +346,20 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts-function signature: ``[T, D]`` from the top-k routing."""
     plan = experts_plan(self)
-    if plan.activation is None:
-        fallback = _moe_module().ALL_EXPERTS_FUNCTIONS.get_interface(plan.fallback, type(self).forward.__wrapped__)
-        return fallback(self, hidden_states, top_k_index, top_k_weights)
+    if plan.pending:
+        plan = _settle(self, plan)
+    if plan.activation is None or plan.pending:
+        return _fallback(self, plan.fallback)(self, hidden_states, top_k_index, top_k_weights)
+    return _fused_forward(self, plan, hidden_states, top_k_index, top_k_weights)
+
+
+def _fallback(module: nn.Module, name: str):
+    """The experts function ``name`` of transformers (its class's own forward for ``"eager"``)."""
+    return _moe_module().ALL_EXPERTS_FUNCTIONS.get_interface(name, type(module).forward.__wrapped__)
+
+
+def _fused_forward(self: nn.Module, plan: ExpertsPlan, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
     w12, w3 = self.gate_up_proj, self.down_proj
     has_bias = getattr(self, "has_bias", False)
     b12 = self.gate_up_proj_bias if has_bias else None
@@ -285,11 +395,12 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x1
     if not register():
         return 0
     fused = 0
+    had = {}  # id(config) -> its implementation before this call (modules share their config)
     for module in model.modules():
         if not is_hf_experts(module):
             continue
         config = module.config
-        current = getattr(config, "_experts_implementation", None)
+        current = had.setdefault(id(config), getattr(config, "_experts_implementation", None))
         previous = module.__dict__.get(_PLAN_ATTR)
         if current == NAME:
             fallback = previous.fallback if previous is not None else "grouped_mm"
