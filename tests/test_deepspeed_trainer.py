@@ -5,7 +5,9 @@ tests/rank_launcher.py; DS_ACCELERATOR=cpu).
 Trainer cases: ZeRO-2 and ZeRO-3, a tiny Llama (dense GLU MLPs) and a tiny
 Mixtral (Hugging Face MoE experts), STEPS optimizer steps of
 ``Trainer.train()``, unpatched then patched in the same ranks from the same
-seed and data. Under ZeRO-3 the model is built the way the Trainer expects
+seed and data; the Llama also with ``hf.apply_to`` (class-level patching)
+before the model is built under zero.Init, which runs whole from its
+first call. Under ZeRO-3 the model is built the way the Trainer expects
 (``_from_config`` after ``TrainingArguments``, so under deepspeed.zero.Init:
 partitioned at construction); the MoE model gets the experts by name
 (``experts_implementation="swiglu_cupy"``) there and through ``patch`` under
@@ -51,6 +53,7 @@ RANK_TIMEOUT_S = 300
 TRAINER_CASES = [
     ("trainer-llama-zero2", "llama", 2, "patch"),
     ("trainer-llama-zero3", "llama", 3, "patch"),
+    ("trainer-llama-zero3-apply_to", "llama", 3, "apply_to"),
     ("trainer-mixtral-zero2", "mixtral", 2, "patch"),
     ("trainer-mixtral-zero3", "mixtral", 3, "experts_implementation"),
 ]
@@ -111,7 +114,16 @@ def _train_with_trainer(kind: str, stage: int, switch: str, patched: bool, world
     cls = LlamaForCausalLM if kind == "llama" else MixtralForCausalLM
     extra = {"experts_implementation": "swiglu_cupy"} if patched and switch == "experts_implementation" else {}
     # After TrainingArguments: under ZeRO-3 this builds under deepspeed.zero.Init.
-    model = cls._from_config(config, **extra)
+    if patched and switch == "apply_to":
+        from swiglu_cupy.hf import apply_to, unapply
+
+        apply_to(kind)  # class-level: the model is built fused
+        try:
+            model = cls._from_config(config, **extra)
+        finally:
+            unapply(kind)
+    else:
+        model = cls._from_config(config, **extra)
     out = {"partitioned": any(p.numel() == 0 for p in model.parameters()), "initial": _full_params(model)}
     if patched and switch == "patch":
         out["report"] = str(sc.patch(model))
@@ -225,14 +237,18 @@ def test_trainer_with_deepspeed_trains_like_the_unpatched_model(ranks, name, kin
         _assert_trained(plain, kind)
         counts = patched["counts"]
         if kind == "llama":
-            # Every MLP call of every step ran the whole fused MLP; built
-            # partitioned (ZeRO-3), each MLP's probe ran the fused op once more.
-            probes = N_LAYERS if stage == 3 else 0
-            assert counts == dict(whole=N_LAYERS * STEPS + probes, activation=0, experts=0), patched["report"]
+            # Every MLP call of every step ran the whole fused MLP, the first
+            # included; patched partitioned (ZeRO-3), each MLP's probe ran the
+            # fused op once more (apply_to: the class was verified, no probe).
+            probes = N_LAYERS if stage == 3 and switch == "patch" else 0
+            assert counts == dict(whole=N_LAYERS * STEPS + probes, activation=0, experts=0), patched.get("report")
             assert patched["fusion"] == ["mlp"] * N_LAYERS
         else:
             assert patched["experts_impl"] == "swiglu_cupy" != plain["experts_impl"]
-            assert counts == dict(whole=0, activation=0, experts=N_LAYERS * STEPS)
+            # Resolved at the first forward (on the weights ZeRO-3 gathered),
+            # each experts module's forward check ran the fused op once more.
+            checks = N_LAYERS if switch == "experts_implementation" else 0
+            assert counts == dict(whole=0, activation=0, experts=N_LAYERS * STEPS + checks)
     # Each rank trained on its own share of the data (the Trainer's distributed sampler).
     assert not torch.equal(ranks[0][name][0]["losses"], ranks[1][name][0]["losses"])
 

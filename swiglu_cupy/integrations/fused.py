@@ -63,6 +63,8 @@ class FusedGLUMLP(nn.Module):
         # Built by a class patched with hf.apply_to: the class's form was
         # verified there; the activation depends on this instance's config.
         self.swiglu_plan = _plan_of_built_instance(self)
+        if self.swiglu_plan is not None:
+            _gather_as_leaf(self)  # built under deepspeed.zero.Init: whole from the first call
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.swiglu_pending is not None:
@@ -161,12 +163,17 @@ def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, in
     module.swiglu_pending = None
     module.swiglu_family = family
     module.recompute_gate_up, module.inplace_backward = recompute_gate_up, inplace_backward
+    _gather_as_leaf(module)
+
+
+def _gather_as_leaf(module: nn.Module) -> None:
+    """With DeepSpeed loaded, make ``module`` a ZeRO-3 leaf: the fused
+    forward reads its children's weights without calling them, so under
+    ZeRO-3 its own hooks must gather them (set before deepspeed.initialize,
+    the children get no hooks at all). Harmless without ZeRO-3: only ZeRO-3
+    reads the flag. Loaded only later: :func:`plan_runner.adopt_zero3`."""
     ds = _zero3()
     if ds is not None:
-        # The fused forward reads its children's weights without calling them:
-        # under ZeRO-3 its own hooks must gather them (set before
-        # deepspeed.initialize, the children get no hooks at all). Harmless
-        # without ZeRO-3: only ZeRO-3 reads the flag.
         ds.mark_zero3_leaf(module)
 
 
