@@ -409,62 +409,6 @@ def test_hf_experts_under_transformers_expert_parallel_are_checked_on_their_shar
         assert not torch.allclose(out["changed"], out["grouped_mm"])
 
 
-def run_hf_expert_parallel_rank(case, rank, world):
-    """One rank of transformers' distributed engine (tensor and expert
-    parallel over 2 gloo ranks, ``case = (path, ep_implementation)``): the
-    experts' weights are DTensors; logits with grouped_mm, with swiglu_cupy,
-    and with swiglu_cupy over a changed grouped_mm, and the plans."""
-    import swiglu_cupy.hf_experts as hx
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    from swiglu_cupy.tools.bench.moe import experts_modules
-
-    path, mode = case
-    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-    out = {}
-    grouped_mm = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
-    for name, implementation in [("grouped_mm", "grouped_mm"), ("fused", hx.NAME), ("changed", "grouped_mm"),
-                                 ("changed_fused", hx.NAME)]:
-        if name.startswith("changed"):
-            ALL_EXPERTS_FUNCTIONS._local_mapping["grouped_mm"] = _scaled_by(grouped_mm, 1.5)
-        config = DistributedConfig(fsdp_size=1, tp_size=world, ep_size=world, ep_implementation=mode)
-        model = AutoModelForCausalLM.from_pretrained(path, distributed_config=config, dtype=torch.float32,
-                                                     experts_implementation=implementation)
-        with torch.no_grad():
-            out[name] = model(ids).logits
-        experts = experts_modules(model)
-        out[name + "_weights_dtensor"] = type(experts[0].gate_up_proj).__name__ == "DTensor"
-        if implementation == hx.NAME:
-            out[name + "_plans"] = [(hx.experts_plan(m).activation is not None, hx.experts_plan(m).reason)
-                                    for m in experts]
-    ALL_EXPERTS_FUNCTIONS._local_mapping.pop("grouped_mm", None)
-    return out
-
-
-@pytest.mark.parametrize("mode", ["all_to_all", "all_reduce"])
-def test_hf_experts_under_transformers_expert_parallel_are_checked_on_their_shards(mode, tmp_path, monkeypatch):
-    """Under transformers' own distributed engine the experts' weights are
-    DTensors: the forward check runs on each rank's local shards; the fused
-    experts give grouped_mm's logits exactly, and a changed grouped_mm is
-    refused on every rank and its math runs."""
-    pytest.importorskip("transformers.distributed.expert_parallel", exc_type=ImportError)
-    import rank_launcher
-    from swiglu_cupy.tools.bench.moe import tiny_model
-
-    torch.manual_seed(0)
-    tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
-    for out in rank_launcher.launch(run_hf_expert_parallel_rank, (str(tmp_path / "mixtral"), mode), tmp_path,
-                                    monkeypatch, 2, 240):
-        assert out["fused_weights_dtensor"]
-        assert all(fused for fused, _ in out["fused_plans"]), out["fused_plans"]
-        assert torch.equal(out["fused"], out["grouped_mm"])
-        assert not any(fused for fused, _ in out["changed_fused_plans"])
-        assert all("probe mismatch" in reason for _, reason in out["changed_fused_plans"])
-        assert torch.equal(out["changed_fused"], out["changed"])
-        assert not torch.allclose(out["changed"], out["grouped_mm"])
-
-
 # --- activations that agree within a 16-bit dtype's rounding: decided in float64 ----------------
 
 class _InlineActivationMLP(nn.Module):

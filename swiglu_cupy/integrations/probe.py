@@ -4,10 +4,12 @@ the module is left alone with a reason (:func:`choose_plan`)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from .._torch_compat import DROPOUT_CLASSES
 from .._dtypes import SUPPORTED_DTYPES
@@ -105,6 +107,49 @@ class _Probe:
         return rows_agree(expected[:4], actual[:4], self.dtype)
 
 
+class _PlanReference(nn.Module):
+    """``plan``'s plain-torch reference on ``inner``'s children, as a module
+    for ``functional_call`` (which substitutes ``inner.*`` parameters)."""
+
+    def __init__(self, inner: nn.Module, plan: GLUPlan):
+        super().__init__()
+        self.inner, self.plan = inner, plan
+
+    def forward(self, x):
+        return run_plan(self.inner, x, self.plan, fused=False)
+
+
+def _tell_apart_in_float64(probe: _Probe, plans: list[GLUPlan]) -> tuple[list[GLUPlan], str | None]:
+    """Plans whose activations differ but agree within a 16-bit dtype's
+    rounding (exact GELU and its tanh form; quick GELU), decided in float64:
+    the module's own forward and each plan's reference on a float64 copy of
+    its parameters and buffers, on the CPU (no device memory). ``(the plans
+    that agree there, None)``, or ``([], reason)``."""
+    module = probe.module
+    state = {name: t.detach().to("cpu", torch.float64 if t.is_floating_point() else t.dtype)
+             for name, t in itertools.chain(module.named_parameters(), module.named_buffers())}
+    x = probe.x.to("cpu", torch.float64)
+    forms = " and ".join(str(p.activation) for p in plans)
+    try:
+        with torch.no_grad():
+            was_training = module.training
+            module.train(False)
+            try:
+                expected = functional_call(module, state, (x,))
+                kept = [plan for plan in plans
+                        if rows_agree(expected, functional_call(_PlanReference(module, plan),
+                                                                {f"inner.{k}": v for k, v in state.items()}, (x,)),
+                                      torch.float64)]
+            finally:
+                module.train(was_training)
+    except Exception as error:
+        return [], (f"its forward agrees with {forms} within {probe.dtype}'s rounding and could not run in float64 "
+                    f"to tell them apart" + describe_error(error))
+    if not kept:
+        return [], f"its forward agrees with {forms} within {probe.dtype}'s rounding and with none in float64"
+    return kept, None
+
+
 def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple[bool, bool], own_forward=None):
     """``(plan, None)`` or ``(None, reason)``: the first candidate the module's
     own forward (``own_forward``, default ``module.forward``) agrees with,
@@ -124,11 +169,13 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
     if probe.expected is None:
         return None, "could not be probed: its forward failed on a probe input" + describe_error(probe.own_error)
     misplaced = None
-    for plan in cands.plans:
-        def reference(x, plan=plan):
-            return run_plan(module, x, plan, fused=False)
-        if not probe.matches(reference):
-            continue
+    agreeing = [plan for plan in cands.plans
+                if probe.matches(lambda x, plan=plan: run_plan(module, x, plan, fused=False))]
+    if len({p.activation for p in agreeing}) > 1 and probe.dtype in (torch.bfloat16, torch.float16):
+        agreeing, reason = _tell_apart_in_float64(probe, agreeing)
+        if reason:
+            return None, reason
+    for plan in agreeing:
         def fused(x, plan=plan):
             return run_plan(module, x, plan, *modes)
         if not probe.matches(fused):
