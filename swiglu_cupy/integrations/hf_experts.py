@@ -63,7 +63,8 @@ from .recognition import KNOWN_ACTIVATIONS, identify_activation, rows_agree
 from .switch_proof import probe_tensor
 from ..reference import glu_reference, split_gate_up
 
-__all__ = ["NAME", "register", "patch_experts", "experts_forward", "experts_plan", "is_hf_experts", "ExpertsPlan"]
+__all__ = ["NAME", "register", "patch_experts", "experts_plans", "experts_forward", "experts_plan", "is_hf_experts",
+           "ExpertsPlan"]
 
 NAME = "swiglu_cupy"
 _PLAN_ATTR = "_swiglu_cupy_plan"
@@ -387,16 +388,24 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x1
     saves x12 in 8 bits (see ``swiglu_cupy.swiglu``); ``tile_rows`` (an int or
     ``"auto"``) runs long inputs a tile of tokens at a time (see
     ``swiglu_cupy.moe.routed_experts``). Call it before torch.compile."""
+    plans = experts_plans(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12, tile_rows=tile_rows)
+    return sum(plan.activation is not None for plan in plans.values())
+
+
+def experts_plans(model: nn.Module, *, recompute_gate_up: bool = False, saved_x12=None,
+                  tile_rows=None) -> dict[str, ExpertsPlan]:
+    """:func:`patch_experts`, returning each experts module's plan by its path
+    (an unfused one carries the reason: ``patch()`` reports it as skipped)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     check_flags(recompute_gate_up=recompute_gate_up)
     check_saved_x12(saved_x12, recompute_gate_up)
     check_tile_rows(tile_rows)
     if not register():
-        return 0
-    fused = 0
+        return {}
+    plans = {}
     had = {}  # id(config) -> its implementation before this call (modules share their config)
-    for module in model.modules():
+    for path, module in model.named_modules():
         if not is_hf_experts(module):
             continue
         config = module.config
@@ -409,8 +418,8 @@ def patch_experts(model: nn.Module, *, recompute_gate_up: bool = False, saved_x1
         plan = _resolve(module, recompute_gate_up, fallback, saved_x12, tile_rows)
         _store(module, plan)
         config._experts_implementation = NAME
-        fused += plan.activation is not None
-    return fused
+        plans[path] = plan
+    return plans
 
 
 def _register_on_import() -> None:

@@ -44,9 +44,10 @@ from .fused import (FusedGLUMLP, install, install_pending, resolve_pending, swit
                     zero3_partitioned)
 from .olmo_core import is_olmo_core_switchable, olmo_core_skip_reason, patch_olmo_core_module
 from .megatron import is_megatron_mlp, megatron_skip_reason, patch_megatron_mlp
+from .glu_source import glu_form_reason
 from .probe import choose_plan
 from .switch_proof import check_switch
-from .recognition import GLUPlan, glu_candidates
+from .recognition import GLUPlan, glu_candidates, is_container, takes_one_input
 from .torchtitan import is_torchtitan_switchable, patch_torchtitan_class, torchtitan_skip_reason
 from .xformers_ops import is_xformers_swiglu, patch_xformers_module
 
@@ -170,15 +171,23 @@ def _engine_notes(model: nn.Module, report: PatchReport) -> None:
     report.engines["DeepSpeed ZeRO-3"] = what
 
 
-def patch_hf_experts(model: nn.Module, recompute_gate_up: bool = False, saved_x12=None, tile_rows=None) -> int:
+def patch_hf_experts(model: nn.Module, report: PatchReport, recompute_gate_up: bool = False, saved_x12=None,
+                     tile_rows=None) -> None:
     """Switch the Hugging Face MoE experts modules of ``model`` to swiglu_cupy's
-    experts implementation (:mod:`swiglu_cupy.hf_experts`); how many run fused."""
+    experts implementation (:mod:`swiglu_cupy.hf_experts`): ``report.experts``
+    counts those that run fused, ``report.skipped`` names the others with the
+    reason (they keep the implementation they had)."""
     if "transformers.integrations.moe" not in sys.modules:
-        return 0  # no experts class was ever defined in this process: none can be in the model
+        return  # no experts class was ever defined in this process: none can be in the model
     from . import hf_experts
 
-    return hf_experts.patch_experts(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12,
-                                    tile_rows=tile_rows)
+    plans = hf_experts.experts_plans(model, recompute_gate_up=recompute_gate_up, saved_x12=saved_x12,
+                                     tile_rows=tile_rows)
+    for path, plan in plans.items():
+        if plan.activation is None:
+            report.classes[path] = type(model.get_submodule(path)).__name__
+            report.skipped[path] = f"Hugging Face experts, left on {plan.fallback!r}: {plan.reason}"
+    report.experts = sum(plan.activation is not None for plan in plans.values())
 
 
 #: What a walk can be narrowed to: Hugging Face's MLP names, GLU feed-forwards
@@ -391,9 +400,46 @@ def walk(model: nn.Module, families=FAMILIES, *, verify: bool = True, recompute_
             "" if family in families else f" (left to {_FAMILY_ENTRY[family]})") + (
             f", left alone: {reason}" if reason is not None else "") + ", whose children are its projections"
     if "experts" in families:
-        report.experts = patch_hf_experts(model, recompute_gate_up, saved_x12, tile_rows)
+        patch_hf_experts(model, report, recompute_gate_up, saved_x12, tile_rows)
+    if "generic" in families:
+        _name_unrecognised_gated_units(model, report, handled)
     _engine_notes(model, report)
     return report
+
+
+def _name_unrecognised_gated_units(model: nn.Module, report: PatchReport, handled: dict) -> None:
+    """The walk's safety net: a feed-forward or experts module it did not
+    recognise whose forward computes a gated unit (read from its source,
+    :mod:`.glu_source`) goes into ``report.skipped`` with the reason, never
+    unreported. Innermost first; not inside a handled module, nor around a
+    module handled, reported, or of Hugging Face's experts (their MoE blocks
+    gate shared experts: not a feed-forward of their own)."""
+    experts_class = _hf_experts_test()
+    taken = set(handled) | set(report.fused) | set(report.partial) | set(report.skipped) | set(report.pending)
+    modules = list(model.named_modules(remove_duplicate=True))
+    taken |= {path for path, module in modules if experts_class(module)}
+
+    def inside(path: str, outer: str) -> bool:
+        return outer == "" or path.startswith(outer + ".")
+
+    for path, module in reversed(modules):
+        if path in taken or is_container(module) or any(inside(path, h) for h in handled):
+            continue
+        if any(inside(t, path) for t in taken if t != path):
+            continue
+        reason = glu_form_reason(module, takes_one_input)
+        if reason is not None:
+            report.classes[path] = type(module).__name__
+            report.skipped[path] = reason
+            taken.add(path)
+
+
+def _hf_experts_test() -> Callable[[nn.Module], bool]:
+    if "transformers.integrations.moe" not in sys.modules:
+        return lambda module: False
+    from . import hf_experts
+
+    return hf_experts.is_hf_experts
 
 
 def patch(model: nn.Module, *, strict: bool = False, verify: bool = True, recompute_gate_up: bool = False,

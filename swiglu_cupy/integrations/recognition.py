@@ -140,7 +140,20 @@ def limit_of(module: nn.Module) -> float | None:
 
 
 def _shape(m: nn.Module) -> tuple[int | None, int | None] | None:
-    """``(in, out)`` of a linear-like module (nn.Linear, LoRA, quantized), or None."""
+    """``(in, out)`` of a linear-like module (nn.Linear, LoRA, quantized), or
+    of the one linear-like child of a wrapper (Gemma 4's ``ClippableLinear``:
+    clamps as buffers around an ``nn.Linear``; litgpt's ``LoRALinear`` and
+    adapter-v2 linears: an ``nn.Linear`` plus low-rank or scale parameters of
+    their own), or None. A wrapper is not an ``nn.Linear``: it runs as itself
+    and only the activation is fused; the probe decides whether it is one."""
+    shape = _own_shape(m)
+    if shape is not None:
+        return shape
+    children = [c for c in m.children() if not isinstance(c, _PASSIVE)]
+    return _own_shape(children[0]) if len(children) == 1 else None
+
+
+def _own_shape(m: nn.Module) -> tuple[int | None, int | None] | None:
     if isinstance(m, nn.Linear):
         return m.in_features, m.out_features
     n_in, n_out = getattr(m, "in_features", None), getattr(m, "out_features", None)
@@ -150,22 +163,6 @@ def _shape(m: nn.Module) -> tuple[int | None, int | None] | None:
             (n_in if isinstance(n_in, int) else weight.shape[1])
     if isinstance(n_in, int) and not isinstance(n_in, bool):
         return n_in, n_out if isinstance(n_out, int) else None
-    return None
-
-
-def _projection_shape(m: nn.Module) -> tuple[int | None, int | None] | None:
-    """``_shape`` of a projection named by its role, or of the one linear-like
-    child of a wrapper without parameters of its own (Gemma 4's
-    ``ClippableLinear``, timm's and Hugging Face's: optional clamps of its
-    input and output, as buffers, around an ``nn.Linear`` held as ``linear``).
-    Only the input width is taken from it: the wrapper is not an
-    ``nn.Linear``, so it runs as itself and only the activation is fused."""
-    shape = _shape(m)
-    if shape is not None:
-        return shape
-    children = list(m.children())
-    if len(children) == 1 and not any(True for _ in m.parameters(recurse=False)):
-        return _shape(children[0])
     return None
 
 
@@ -225,7 +222,7 @@ def hf_candidates(module: nn.Module, extra_children_ok: bool = True) -> Candidat
     if reason is None and (any(True for _ in module.parameters(recurse=False))
                            or any(True for _ in module.buffers(recurse=False))):
         reason = "has parameters or buffers of its own, which the fused forward would not use"
-    shape = _projection_shape(mods[roles[0]])
+    shape = _shape(mods[roles[0]])
     in_features = shape[0] if shape else None
     if reason is not None:
         return Candidates([], in_features, True, reason)
@@ -252,13 +249,26 @@ def _placement(module: nn.Module, others: list[str], down: str):
     return tuple(mid), tuple(post), None
 
 
-def _takes_one_input(module: nn.Module) -> bool:
+def takes_one_input(module: nn.Module) -> bool:
     """Its forward can be called with one tensor (a feed-forward's signature);
-    containers without a forward (ModuleList, ModuleDict) cannot."""
-    if type(module).forward is nn.Module.forward:
+    containers without a forward (ModuleList, ModuleDict) cannot. Read once
+    per class (a forward set on the instance: each time)."""
+    forward = module.__dict__.get("forward")
+    if forward is not None:
+        return _forward_takes_one_input(forward)
+    return _class_takes_one_input(type(module))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_takes_one_input(cls: type) -> bool:
+    if cls.forward is nn.Module.forward:
         return False
+    return _forward_takes_one_input(functools.partial(cls.forward, None))
+
+
+def _forward_takes_one_input(forward) -> bool:
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(inspect.signature(forward).parameters.values())
     except (TypeError, ValueError):
         return True
     required = [p for p in params if p.default is p.empty
@@ -271,7 +281,7 @@ def generic_candidates(module: nn.Module) -> Candidates | None:
     [O, H]``, or three, ``gate``/``up`` ``[H, D]`` and ``down [O, H]``; an
     optional activation child; dropout/norm children. All role assignments
     the shapes allow become plans; the probe picks."""
-    if not _takes_one_input(module):
+    if not takes_one_input(module):
         return None  # attention and other multi-input modules
     mods = {n: m for n, m in module._modules.items() if m is not None}
     shapes = {n: _shape(m) for n, m in mods.items()}
