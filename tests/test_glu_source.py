@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import swiglu_cupy as sc
+from glu_zoo import TorchtitanFeedForward
 from swiglu_cupy.integrations.glu_source import forward_computes_glu, gated_products
 
 NAMED = "its forward computes a gated unit (read from its source"
@@ -49,20 +50,10 @@ class _ConvGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class _LlamaLikeMLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(8, 16, bias=False), nn.Linear(8, 16, bias=False)
-        self.down_proj, self.act_fn = nn.Linear(16, 8, bias=False), nn.SiLU()
-
-    def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()
-        self.mlp, self.gate = _LlamaLikeMLP(), nn.Linear(8, 8)
+        self.mlp, self.gate = TorchtitanFeedForward(8, 16), nn.Linear(8, 8)
 
     def forward(self, x):
         return self.mlp(x) * torch.sigmoid(self.gate(x))
