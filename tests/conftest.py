@@ -72,6 +72,8 @@ FILES = {
     "test_timm.py": "extended",                  # timm's real models (skips without a usable timm)
     "test_fail_closed.py": "extended",
     "test_fail_closed_megatron.py": "multiprocess",
+    "test_glu_source.py": "quick",               # the walk's safety net, and the reach scan on a planted library
+    "test_reach.py": "extended",                 # the nine libraries' gated-unit classes (first run only: .ci/run)
     # tools, CLI, packaging, docs
     "test_public_api.py": "quick",
     "test_live_bytes.py": "quick",
@@ -186,6 +188,8 @@ TESTS = {
     "test_hf_native.py": {"test_export_then_onnx_under_no_grad_matches_onnxruntime": "extended",
                           "test_export_decompositions_leave_no_swiglu_op": "extended"},
     "test_peft.py": {"test_thirty_training_steps_match": "extended"},
+    "test_fail_closed.py": {"test_hf_experts_under_transformers_expert_parallel_are_checked_on_their_shards":
+                            "multiprocess"},
     "test_xformers.py": {"test_import_does_not_import_xformers": "extended",
                          "test_fsdp2_two_gloo_ranks_against_one_process": "multiprocess"},
     "test_moe_hf.py": {"test_registered_under_swiglu_cupy": "quick",

@@ -125,11 +125,13 @@ def _reported_paths(report) -> set[str]:
 
 
 def _hf_experts_class(cls: type) -> bool:
+    """A ``@use_experts_implementation`` class (False without transformers)."""
     try:
         from swiglu_cupy.integrations.hf_experts import _wrapper_code
+
+        return getattr(getattr(cls, "forward", None), "__code__", None) is _wrapper_code()
     except ImportError:
         return False
-    return getattr(getattr(cls, "forward", None), "__code__", None) is _wrapper_code()
 
 
 def scanned(package: str, file_pattern: str | None = None) -> dict[str, type]:
