@@ -169,13 +169,23 @@ def choose_plan(module: nn.Module, cands: Candidates, verify: bool, modes: tuple
     if probe.expected is None:
         return None, "could not be probed: its forward failed on a probe input" + describe_error(probe.own_error)
     misplaced = None
-    agreeing = [plan for plan in cands.plans
-                if probe.matches(lambda x, plan=plan: run_plan(module, x, plan, fused=False))]
-    if len({p.activation for p in agreeing}) > 1 and probe.dtype in (torch.bfloat16, torch.float16):
-        agreeing, reason = _tell_apart_in_float64(probe, agreeing)
-        if reason:
-            return None, reason
-    for plan in agreeing:
+
+    def agrees(plan: GLUPlan) -> bool:
+        return probe.matches(lambda x: run_plan(module, x, plan, fused=False))
+
+    for i, plan in enumerate(cands.plans):
+        if not agrees(plan):
+            continue
+        if probe.dtype in (torch.bfloat16, torch.float16):
+            # Later candidates with the same roles and another activation may agree within 16 bits too.
+            roles = dataclasses.replace(plan, activation=None)
+            rivals = [p for p in cands.plans[i + 1:] if p.activation != plan.activation
+                      and dataclasses.replace(p, activation=None) == roles and agrees(p)]
+            if rivals:
+                kept, reason = _tell_apart_in_float64(probe, [plan, *rivals])
+                if reason:
+                    return None, reason
+                plan = kept[0]
         def fused(x, plan=plan):
             return run_plan(module, x, plan, *modes)
         if not probe.matches(fused):
