@@ -41,8 +41,8 @@ def _base_names(cls: ast.ClassDef) -> set[str]:
 
 
 _CLASS_LINE = re.compile(r"^class (\w+)(?:\(([^)]*)\))?\s*:", re.MULTILINE)
-# A cheap filter before parsing a class: it names an activation-like callee and multiplies.
-_MAY_GATE = re.compile(r"(act|silu|gelu|swish|sigmoid|relu|glu)\w*\s*\(", re.IGNORECASE)
+# A cheap filter before parsing a class: it names something activation-like and multiplies (or calls a glu).
+_MAY_GATE = re.compile(r"(act|silu|gelu|swish|sigmoid|relu|glu|mish)\w*\s*\(", re.IGNORECASE)
 
 
 def _class_chunks(text: str):

@@ -33,6 +33,9 @@ def _products(source: str):
     ("def f(self, x):\n    return F.silu(x) * self.scale\n", []),       # a scale, not a computed tensor
     ("def f(self, x):\n    return self.a(x) * self.b(x)\n", []),        # no activation
     ("def f(self, x):\n    return F.silu(x) * 2.0\n", []),
+    ("def f(self, x):\n    return self.extract(x) * self.factor(x)\n", []),  # words, not substrings
+    ("def f(self, x):\n    return nn.SiLU()(self.a(x)) * self.b(x)\n", [{"a", "b"}]),
+    ("def f(self, x):\n    h = self.hidden_act(self.w1(x))\n    return h * self.w3(x)\n", [{"hidden_act", "w1", "w3"}]),
 ])
 def test_the_rule_on_small_functions(source, expected):
     assert [set(p) for p in _products(source)] == expected

@@ -5,8 +5,9 @@ activation's output by another tensor, is named in ``report.skipped``
 instead of passing unreported (:func:`glu_form_reason`).
 
 The rule, on the function's syntax tree: a product ``a * b`` (or ``a *= b``)
-where ``a`` calls an activation (a callee named like act/silu/gelu/swish/
-sigmoid/relu/glu, or a local assigned from such a call) and ``b`` does not
+where ``a`` calls an activation (a callee with a word of its name, in
+snake_case or CamelCase, such as act, activation, silu, gelu, sigmoid, relu
+or glu; or a local assigned from such a call) and ``b`` does not
 and is a computed tensor (a call, a name or a subscript; not a constant or
 a ``self.`` attribute such as a scale), or a call of ``glu``/``swiglu``.
 Code the forward calls elsewhere (helper functions) is not read."""
@@ -23,7 +24,11 @@ from torch import nn
 __all__ = ["function_computes_glu", "gated_products", "forward_gated_products", "forward_computes_glu",
            "feed_forward_shaped", "live_gated_products", "glu_form_reason"]
 
-_ACTIVATION_CALLEE = re.compile(r"(act|silu|gelu|swish|sigmoid|relu|glu)", re.IGNORECASE)
+# A word of a callee's name that names an activation: act_fn, hidden_act, act1, activation_fn, F.silu,
+# gelu_new, quick_gelu, torch.sigmoid, x.sigmoid(), _relu2, GELUActivation, chunk_and_activate, ... (not extract
+# or factor).
+_ACTIVATION_WORD = re.compile(r"act|activate|activation|silu|gelu|swish|sigmoid|relu|glu|swiglu|geglu|reglu|hardswish|"
+                              r"hardsigmoid|mish")
 _GLU_CALLEES = ("glu", "swiglu")
 
 
@@ -35,8 +40,14 @@ def _callee(func: ast.expr) -> str:
     return ""
 
 
+def _names_activation(callee: str) -> bool:
+    # the whole name (SiLU), and its snake_case and CamelCase words, digits dropped
+    words = [callee.strip("_0123456789"), *re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", callee)]
+    return any(_ACTIVATION_WORD.fullmatch(word.lower()) for word in words)
+
+
 def _calls_activation(node: ast.AST) -> bool:
-    return any(isinstance(n, ast.Call) and _ACTIVATION_CALLEE.search(_callee(n.func)) for n in ast.walk(node))
+    return any(isinstance(n, ast.Call) and _names_activation(_callee(n.func)) for n in ast.walk(node))
 
 
 def _computed(node: ast.expr) -> bool:
