@@ -418,20 +418,25 @@ def _name_unrecognised_gated_units(model: nn.Module, report: PatchReport, handle
     taken = set(handled) | set(report.fused) | set(report.partial) | set(report.skipped) | set(report.pending)
     modules = list(model.named_modules(remove_duplicate=True))
     taken |= {path for path, module in modules if experts_class(module)}
-
-    def inside(path: str, outer: str) -> bool:
-        return outer == "" or path.startswith(outer + ".")
+    around = {a for t in taken for a in _ancestors(t)}  # paths that hold a taken module
 
     for path, module in reversed(modules):
-        if path in taken or is_container(module) or any(inside(path, h) for h in handled):
-            continue
-        if any(inside(t, path) for t in taken if t != path):
+        if path in taken or path in around or is_container(module) or any(a in handled for a in _ancestors(path)):
             continue
         reason = glu_form_reason(module, takes_one_input)
         if reason is not None:
             report.classes[path] = type(module).__name__
             report.skipped[path] = reason
             taken.add(path)
+            around.update(_ancestors(path))
+
+
+def _ancestors(path: str) -> list[str]:
+    """The paths of the modules that hold the one at ``path`` ("" is the model)."""
+    if not path:
+        return []
+    parts = path.split(".")
+    return [""] + [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _hf_experts_test() -> Callable[[nn.Module], bool]:
