@@ -7,7 +7,7 @@ import inspect
 
 import torch
 
-from ._torch_compat import cpp_function_apply, functorch_transforms_active, is_functorch_wrapped
+from ._torch_compat import cpp_apply, functorch_transforms_active, is_functorch_wrapped
 
 __all__ = ["LeanApplyFunction", "graph_needed", "under_autocast", "mark_saved_only"]
 
@@ -29,6 +29,8 @@ class LeanApplyFunction(torch.autograd.Function):
         if any(p.default is not p.empty or p.kind is not p.POSITIONAL_OR_KEYWORD for p in params):
             raise TypeError(f"{cls.__name__}.forward must take required positional arguments only")
         cls._num_args = len(params)
+        # torch's C++ apply bound to the class once (None: unavailable): a C call per apply.
+        cls._bound_cpp_apply = None if cpp_apply is None else cpp_apply.__get__(None, cls)
 
     @classmethod
     def apply(cls, *args):
@@ -36,13 +38,13 @@ class LeanApplyFunction(torch.autograd.Function):
             names = ", ".join(inspect.signature(cls.forward).parameters)
             raise TypeError(f"{cls.__name__}.apply takes {cls._num_args} positional arguments "
                             f"({names}), got {len(args)}")
-        if cpp_function_apply is not None and not functorch_transforms_active():
+        if cls._bound_cpp_apply is not None and not functorch_transforms_active():
             for a in args:
                 # Transforms wrap into plain torch.Tensor objects (never Parameters or subclasses).
                 if a.__class__ is torch.Tensor and is_functorch_wrapped(a):
                     break  # a tensor left over from a transform: torch's apply unwraps it
             else:
-                return cpp_function_apply(cls, *args)
+                return cls._bound_cpp_apply(*args)
         return super().apply(*args)
 
 

@@ -40,6 +40,7 @@ FILES = {
     "test_module.py": "quick",
     "test_validation.py": "quick",
     "test_primitives.py": "quick",
+    "test_dispatch.py": "quick",
     "test_hardening.py": "quick",
     "test_silu_mul.py": "quick",
     "test_ops.py": "quick",

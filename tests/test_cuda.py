@@ -287,7 +287,7 @@ def test_fp8_saved_x12_kernels_match_the_cpu_path_on_cuda(variant):
     """saved_x12="fp8" on CUDA (CPU counterpart: test_saved_x12_fp8.py, host
     execution): the saved bytes and scales identical to the CPU path's, the
     backward from them within the single-rounding bounds, masks identical."""
-    from swiglu_cupy.primitives import run, saved_x12
+    from swiglu_cupy.primitives import dispatch, saved_x12
 
     spec = spec_of_variant(variant)
     for dtype in CUDA_DTYPES:
@@ -295,11 +295,11 @@ def test_fp8_saved_x12_kernels_match_the_cpu_path_on_cuda(variant):
             torch.manual_seed(M + H)
             x12 = (torch.randn(M, 2 * H, device="cuda") * 2).to(dtype)
             dh = torch.randn(M, H, device="cuda").to(dtype)
-            h, saved = run.run_swiglu_forward_fp8(x12, "kernels", None, spec)
-            h_cpu, saved_cpu = run.run_swiglu_forward_fp8(x12.cpu(), "torch", None, spec)
+            h, saved = dispatch.run_swiglu_forward_fp8(x12, "kernels", None, spec)
+            h_cpu, saved_cpu = dispatch.run_swiglu_forward_fp8(x12.cpu(), "torch", None, spec)
             assert torch.equal(saved.cpu(), saved_cpu)
-            dx12, h_bwd = run.run_swiglu_backward_fp8(saved, dh, "kernels", None, spec)
-            ref_dx12, ref_h = run.run_swiglu_backward_fp8(saved_cpu, dh.cpu(), "torch", None, spec)
+            dx12, h_bwd = dispatch.run_swiglu_backward_fp8(saved, dh, "kernels", None, spec)
+            ref_dx12, ref_h = dispatch.run_swiglu_backward_fp8(saved_cpu, dh.cpu(), "torch", None, spec)
             x12_saved = saved_x12.dequantize_torch(saved_cpu, H, spec).to(dtype)
             h_bound, dx12_bound = glu_error_bounds(x12_saved, dh.cpu(), spec, ref_h, ref_dx12)
             assert ((h_bwd.cpu().double() - ref_h.double()).abs() <= 2 * h_bound).all()

@@ -90,8 +90,12 @@ def test_bad_input_raises_naming_the_argument_before_any_launch(case_id, build, 
     def no_launch(*a, **k):
         raise AssertionError("a primitive ran on bad input")
 
-    for name in ("run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward"):
-        monkeypatch.setattr(primitives.run, name, no_launch)  # the entry points the Functions call
+    # Both implementations' entry points, whichever way the call was dispatched.
+    for name in ("swiglu_forward_torch", "swiglu_backward_torch", "silu_mul_forward_torch", "silu_mul_backward_torch"):
+        monkeypatch.setattr(primitives.torch_impl, name, no_launch)
+    for name in ("launch_swiglu_forward", "launch_swiglu_backward", "launch_silu_mul_forward",
+                 "launch_silu_mul_backward", "launch_swiglu_forward_fp8", "launch_swiglu_backward_fp8"):
+        monkeypatch.setattr(primitives.cuda_impl, name, no_launch)
     valid = (_x(5), *_params())
     with pytest.raises(error, match=match):
         if build is None:

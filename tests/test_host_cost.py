@@ -225,14 +225,15 @@ def test_bench_host_cost_refuses_device_cuda(tmp_path, capsys):
 
 #: Package frames per call on the CUDA route at decode size (issue 41: at most 30
 #: for a SwiGLU forward; it took 77 before the cached launch plan and the options
-#: object). The limits are today's counts: a regression fails here, an
-#: improvement should lower them. Experts: the most over several calls (the
-#: routing, and with it the groups launched, changes per call).
+#: object, 29 before the call's path was decided once at the API). The limits
+#: are today's counts: a regression fails here, an improvement should lower
+#: them. Experts: the most over several calls (the routing, and with it the
+#: groups launched, changes per call).
 FRAME_BUDGET = {  # entry point -> (forward, forward+backward, no_grad forward)
-    "SwiGLU": (30, 45, 30),
-    "swiglu": (28, 44, 28),
-    "patched LlamaMLP": (39, 55, 39),
-    "patched experts": (75, 140, 75),
+    "SwiGLU": (23, 38, 23),
+    "swiglu": (22, 37, 22),
+    "patched LlamaMLP": (34, 49, 34),
+    "patched experts": (72, 135, 72),
 }
 
 

@@ -54,13 +54,13 @@ def test_no_grad_forward_writes_h_over_x12_and_matches(context, monkeypatch):
     x = torch.randn(M, D)
     expected = model(x).detach()
     calls = []
-    real = primitives.run.run_silu_mul_forward
+    real = primitives.torch_impl.silu_mul_forward_torch  # the CPU path's elementwise step
 
     def spy(gate, up, out=None, *args, **kwargs):
         calls.append((gate, up, out))
         return real(gate, up, out, *args, **kwargs)
 
-    monkeypatch.setattr(primitives.run, "run_silu_mul_forward", spy)
+    monkeypatch.setattr(primitives.torch_impl, "silu_mul_forward_torch", spy)
     with context():
         y = model(x)
     (gate, up, out), = calls

@@ -15,7 +15,7 @@ import swiglu_cupy as sc
 from swiglu_cupy import reference
 from swiglu_cupy.activations import GLUActivation, deepseek_v4
 from swiglu_cupy.kernels.sources import VARIANTS, kernel_name, kernel_variant
-from swiglu_cupy.primitives import run, saved_x12
+from swiglu_cupy.primitives import dispatch, saved_x12
 from conftest import assert_nontrivial, rel_rms, spec_of_variant
 
 HALVES, PAIRS = GLUActivation("silu"), GLUActivation("silu", interleaved=True)
@@ -193,7 +193,7 @@ def test_kernel_encoder_is_bit_exact_with_torchs_cast_on_every_bf16_value(host_l
     body[:values.numel()] = values
     x12 = torch.cat([torch.full((rows, 1), 448.0, dtype=torch.bfloat16), body.view(rows, 127)], 1)
     spec = GLUActivation("identity", interleaved=True)  # one block of x12 per row
-    _, saved = run.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
+    _, saved = dispatch.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
     q, scales = saved_x12.saved_views(saved, 64, True)
     assert (scales == 1).all()
     assert torch.equal(q.view(torch.uint8), x12.float().to(torch.float8_e4m3fn).view(torch.uint8))
@@ -308,12 +308,12 @@ def test_kernels_match_the_cpu_path(host_launcher, spec, dtype):
         x12 = (torch.randn(M, 2 * H, generator=gen) * 2).to(dtype)
         dh = torch.randn(M, H, generator=gen).to(dtype)
         host_launcher.launches.clear()
-        h, saved = run.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
-        h_cpu, saved_cpu = run.run_swiglu_forward_fp8(x12, "torch", None, spec)
-        assert torch.equal(h, run.run_swiglu_forward(x12, None, None, host_launcher, spec))
+        h, saved = dispatch.run_swiglu_forward_fp8(x12, None, host_launcher, spec)
+        h_cpu, saved_cpu = dispatch.run_swiglu_forward_fp8(x12, "torch", None, spec)
+        assert torch.equal(h, dispatch.run_swiglu_forward(x12, None, None, host_launcher, spec))
         _same_saved(saved, saved_cpu, H, spec)
-        dx12, h_bwd = run.run_swiglu_backward_fp8(saved_cpu, dh, None, host_launcher, spec)
-        dx12_cpu, h_bwd_cpu = run.run_swiglu_backward_fp8(saved_cpu, dh, "torch", None, spec)
+        dx12, h_bwd = dispatch.run_swiglu_backward_fp8(saved_cpu, dh, None, host_launcher, spec)
+        dx12_cpu, h_bwd_cpu = dispatch.run_swiglu_backward_fp8(saved_cpu, dh, "torch", None, spec)
         variant = kernel_variant(spec)
         assert [n for n, *_ in host_launcher.launches if "_fp8_" in n] == [
             kernel_name(kind, H % (16 // x12.element_size()) == 0, 1, variant)
@@ -336,12 +336,12 @@ def test_float64_builds_no_8_bit_kernels_and_their_launch_says_why(host_launcher
     assert not [n for n in kernel_names(DEFAULT_VARIANT, torch.float64) if "_fp8_" in n]
     assert len([n for n in kernel_names(DEFAULT_VARIANT, torch.float32) if "_fp8_" in n]) == 12  # 2 kinds x 2 widths x 3
     x12, dh = torch.randn(3, 16, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
-    _, saved = run.run_swiglu_forward_fp8(x12.float(), "torch", None, SILU)
+    _, saved = dispatch.run_swiglu_forward_fp8(x12.float(), "torch", None, SILU)
     host_launcher.launches.clear()
     with pytest.raises(TypeError, match="float64"):
-        run.run_swiglu_forward_fp8(x12, None, host_launcher, SILU)
+        dispatch.run_swiglu_forward_fp8(x12, None, host_launcher, SILU)
     with pytest.raises(TypeError, match="float64"):
-        run.run_swiglu_backward_fp8(saved, dh, None, host_launcher, SILU)
+        dispatch.run_swiglu_backward_fp8(saved, dh, None, host_launcher, SILU)
     assert not [n for n, *_ in host_launcher.launches if "_fp8_" in n]
 
 
@@ -364,11 +364,11 @@ def test_clamp_masks_follow_the_saved_value_across_the_limit(implementation, lim
     up = torch.tensor([[4.0, 0.5, -value]])
     x12 = torch.cat([gate, up], 1)
     impl, launcher = ("torch", None) if implementation == "torch" else (None, host_launcher)
-    _, stored = run.run_swiglu_forward_fp8(x12, impl, launcher, spec)
+    _, stored = dispatch.run_swiglu_forward_fp8(x12, impl, launcher, spec)
     back = saved_x12.dequantize_torch(stored, 3, spec)
     assert back[0, 1].item() == pytest.approx(saved, rel=1e-7) and back[0, 5].item() == pytest.approx(-saved, rel=1e-7)
     assert (value > limit) == passes and (saved > limit) != passes  # the rounding crosses the limit
-    dx12, _ = run.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
+    dx12, _ = dispatch.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
     dgate, dup = dx12.chunk(2, 1)
     assert (dgate[0, 1] != 0) == passes and (dup[0, 2] != 0) == passes
     assert dgate[0, 2] != 0 and dup[0, 1] != 0  # far from the limit: unaffected
@@ -383,10 +383,10 @@ def test_saved_value_exactly_at_the_limit_follows_the_rule_in_force(implementati
     spec = deepseek_v4(2.0)
     x12 = torch.cat([torch.tensor([[448.0, 2.0, 0.5]]), torch.tensor([[448.0, 0.5, -2.0]])], 1)
     impl, launcher = ("torch", None) if implementation == "torch" else (None, host_launcher)
-    _, stored = run.run_swiglu_forward_fp8(x12, impl, launcher, spec)
+    _, stored = dispatch.run_swiglu_forward_fp8(x12, impl, launcher, spec)
     back = saved_x12.dequantize_torch(stored, 3, spec)
     assert back[0, 1].item() == 2.0 and back[0, 5].item() == -2.0
-    dx12, _ = run.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
+    dx12, _ = dispatch.run_swiglu_backward_fp8(stored, torch.ones(1, 3), impl, launcher, spec)
     dgate, dup = dx12.chunk(2, 1)
     assert (dgate[0, 1] != 0) == clamp_rule and (dup[0, 2] != 0) == clamp_rule
     assert dgate[0, 2] != 0 and dup[0, 1] != 0  # inside the limit: passed under both rules

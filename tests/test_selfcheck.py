@@ -18,7 +18,7 @@ import swiglu_cupy as sc
 from swiglu_cupy import primitives, reference
 from swiglu_cupy.activations import GPT_OSS, GLUActivation, deepseek_v4
 from swiglu_cupy.kernels.sources import kernel_variant
-from swiglu_cupy.primitives import cuda_impl, run, saved_x12
+from swiglu_cupy.primitives import cuda_impl, dispatch, saved_x12
 from swiglu_cupy.primitives import first_use_check as selfcheck
 from swiglu_cupy.tools import info as info_tool
 from conftest import glu_error_bounds, primitives_on_host_kernels
@@ -218,10 +218,10 @@ def test_a_wrong_fp8_saved_x12_kernel_is_caught_and_replaced(host_launcher):
     wrong = cuda_impl.launch_swiglu_forward_fp8(x12, launcher, config, spec)[1]
     assert not torch.equal(wrong, saved_x12.quantize_torch(x12, spec))   # the fault is real
     with pytest.warns(RuntimeWarning, match="self-check FAILED") as caught:
-        h, saved = run.run_swiglu_forward_fp8(x12, None, launcher, spec)
+        h, saved = dispatch.run_swiglu_forward_fp8(x12, None, launcher, spec)
     assert "swiglu_forward_fp8_vec_p1" in str(caught[0].message)   # the entry point that failed (probed first)
     calls = launcher.calls
-    h2, saved2 = run.run_swiglu_forward_fp8(x12, None, launcher, spec)
+    h2, saved2 = dispatch.run_swiglu_forward_fp8(x12, None, launcher, spec)
     assert launcher.calls == calls                     # the module's kernels never run again
     assert torch.equal(saved, saved_x12.quantize_torch(x12, spec)) and torch.equal(saved, saved2)
     assert torch.equal(h, primitives.swiglu_forward(x12, implementation="torch", activation=spec))
@@ -289,7 +289,7 @@ def test_a_compile_trace_defers_the_probe_to_the_first_real_call(host_launcher, 
     x12, _ = _inputs(4, 16, torch.float32, sc.GLUActivation())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert selfcheck.probe_decision(torch.device("cpu")) == "defer"
-    h = run.run_swiglu_forward(x12, launcher=launcher)       # traced: the torch implementation
+    h = dispatch.run_swiglu_forward(x12, launcher=launcher)       # traced: the torch implementation
     assert launcher.calls == 0 and selfcheck.result_of(launcher, "silu", torch.float32, x12.device) is None
     assert torch.equal(h, primitives.swiglu_forward(x12, implementation="torch"))
     monkeypatch.undo()
@@ -454,3 +454,71 @@ def test_a_limit_beyond_the_dtype_range_is_probed_at_its_largest_value(host_laun
     assert selfcheck._neighbours(1e6, torch.float16)[1] == torch.finfo(torch.float16).max
     result = _result(Passthrough(host_launcher), deepseek_v4(1e6), torch.float16)
     assert result.status == "passed", result.line()
+
+
+# ---- a launch config first used after the module's check ------------------------------------
+
+class SkipsWideBlocks(Passthrough):
+    """The host launcher, except that launches of 512-thread blocks write
+    nothing: a kernel instance wrong for one launch config only."""
+
+    def launch(self, name, dtype, device, grid, block, args):
+        if block[0] * block[1] == 512:
+            self.calls += 1
+            return
+        super().launch(name, dtype, device, grid, block, args)
+
+
+WIDE = sc.kernels.launch_config.LaunchConfig(1, 512, None)   # not among the default check's configs
+
+
+def test_a_launch_config_the_check_did_not_cover_gets_its_own_probe(host_launcher):
+    launcher = SkipsWideBlocks(host_launcher)
+    x12, _ = _inputs(4, 16, torch.float32, sc.GLUActivation())
+    torch_h = primitives.swiglu_forward(x12, implementation="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        primitives.swiglu_forward(x12, launcher=launcher)         # the default config: checked, passes
+    assert WIDE not in selfcheck.probe_configs()
+    with sc.kernels.launch_config.using_launch_config(WIDE):
+        with pytest.warns(RuntimeWarning, match="self-check FAILED.*threads=512"):
+            h = primitives.swiglu_forward(x12, launcher=launcher)
+        calls = launcher.calls
+        assert torch.equal(primitives.swiglu_forward(x12, launcher=launcher), torch_h)  # no warning again
+        assert torch.equal(h, torch_h) and launcher.calls == calls   # the torch implementation ran
+    calls = launcher.calls
+    h = primitives.swiglu_forward(x12, launcher=launcher)                 # the default config: the kernels
+    assert launcher.calls == calls + 1 and torch.equal(h, primitives.swiglu_forward(x12, launcher=host_launcher))
+    assert _result(launcher, sc.GLUActivation(), torch.float32).status == "passed"   # the module itself
+
+
+def test_a_passing_config_is_probed_once_and_strict_refuses_a_failing_one(host_launcher, monkeypatch):
+    good = Passthrough(host_launcher)
+    x12, _ = _inputs(4, 16, torch.float16, sc.GLUActivation())
+    primitives.swiglu_forward(x12, launcher=good)
+    with sc.kernels.launch_config.using_launch_config(WIDE):
+        probes = len(host_launcher.probe_launches)
+        primitives.swiglu_forward(x12, launcher=good)
+        probed = len(host_launcher.probe_launches) - probes
+        assert probed > 0 and {b[0] * b[1] for _, _, b in host_launcher.probe_launches[probes:]} == {512}
+        primitives.swiglu_forward(x12, launcher=good)
+        assert len(host_launcher.probe_launches) == probes + probed     # checked once
+    bad = SkipsWideBlocks(host_launcher)
+    primitives.swiglu_forward(x12, launcher=bad)                        # the default config's check passes
+    monkeypatch.setenv("SWIGLU_CUPY_STRICT", "1")
+    with sc.kernels.launch_config.using_launch_config(WIDE):
+        for _ in range(2):   # the first use and every use after it
+            with pytest.raises(selfcheck.SelfCheckError, match="threads=512.*failed"):
+                primitives.swiglu_forward(x12, launcher=bad)
+
+
+def test_a_new_launch_config_inside_graph_capture_names_warmup(host_launcher, monkeypatch):
+    launcher = Passthrough(host_launcher)
+    x12, _ = _inputs(4, 16, torch.float32, sc.GLUActivation())
+    primitives.swiglu_forward(x12, launcher=launcher)                  # checked outside capture
+    monkeypatch.setattr(selfcheck, "_stream_capturing", lambda device: True)
+    calls = launcher.calls
+    with sc.kernels.launch_config.using_launch_config(WIDE):
+        with pytest.raises(selfcheck.SelfCheckError, match="threads=512 .*inside CUDA graph capture.*warmup"):
+            primitives.swiglu_forward(x12, launcher=launcher)
+    assert launcher.calls == calls

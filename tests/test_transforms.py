@@ -195,8 +195,8 @@ def test_vmap_over_inputs_folds_into_one_launch(monkeypatch):
     block = _block()
     xs = _x(6, 3)  # vmap over 6 batches of 3 tokens
     calls = []
-    real = primitives.run.run_swiglu_forward
-    monkeypatch.setattr(primitives.run, "run_swiglu_forward", lambda x12, *a, **k: calls.append(x12.shape) or real(x12, *a, **k))
+    real = primitives.dispatch.run_swiglu_forward
+    monkeypatch.setattr(primitives.dispatch, "run_swiglu_forward", lambda x12, *a, **k: calls.append(x12.shape) or real(x12, *a, **k))
     ys = vmap(block)(xs)
     assert calls == [(18, 2 * H)], "one primitive call over all 6 x 3 token rows"
     torch.testing.assert_close(ys, torch.stack([sc.swiglu_reference(x, block.w12.weight, block.w12.bias,

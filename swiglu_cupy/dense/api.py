@@ -18,6 +18,7 @@ from .._autograd import graph_needed, under_autocast
 from .._tile_size import resolve_tile_rows
 from .._validation import Role
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
+from ..primitives.dispatch import eager_path
 from .functions import SiluMulFunction, SwiGLUFunction, SwiGLUOptions, swiglu_forward_pass
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
@@ -40,13 +41,30 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
     # Untiled (the default) costs nothing more on this per-call path.
     tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
                                                          args[5].shape[1], x.dtype)
+    path = eager_path(x, options.activation)  # kernels or torch, decided once for this call
     if graph_needed():
         if options.saved_x12_fp8:
             check.check_fp8_compute_dtype(x.dtype)
-        return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
+        return SwiGLUFunction.apply(*args, _with_path(options, path), not torch.is_grad_enabled(), tile)[0]
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
-    return swiglu_forward_pass(*args, options.activation, True, False, False, tile)[0]  # inference, eager
+    return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
+
+
+#: (id(options), id(path)) -> (options, path, options with that path): the bound options of
+#: repeated calls (both objects are cached, so their ids stay theirs while held here).
+_BOUND: dict[tuple, tuple] = {}
+
+
+def _with_path(options: SwiGLUOptions, path) -> SwiGLUOptions:
+    if path is None:
+        return options
+    entry = _BOUND.get((id(options), id(path)))
+    if entry is None or entry[0] is not options or entry[1] is not path:
+        if len(_BOUND) >= 1024:
+            _BOUND.clear()
+        entry = _BOUND[(id(options), id(path))] = (options, path, options._replace(path=path))
+    return entry[2]
 
 
 #: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) -> options,

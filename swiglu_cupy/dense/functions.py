@@ -28,8 +28,8 @@ from torch.autograd.function import once_differentiable
 from .._autograd import LeanApplyFunction, mark_saved_only
 from .._torch_compat import is_transformed
 from ..activations import SILU, GLUActivation
-from ..primitives import route
-from ..primitives.run import batch_first
+from ..primitives import dispatch, route
+from ..primitives.dispatch import batch_first
 from . import gemm as _gemm
 from . import tiled_passes
 
@@ -42,8 +42,10 @@ class SwiGLUOptions(NamedTuple):
     ``activation`` (a ``GLUActivation``), the memory modes
     ``recompute_gate_up``, ``inplace_backward`` and ``saved_x12_fp8`` (x12
     saved in 8 bits; exclusive with the other two), and
-    ``tile_grads_fp32`` (the tiled path's weight-gradient accumulation).
-    Immutable; a named tuple rather than a dataclass because torch.compile
+    ``tile_grads_fp32`` (the tiled path's weight-gradient accumulation), and
+    ``path``: the call's kernels-or-torch decision (``primitives.dispatch``,
+    made by the API per call; None: decided per primitive, as under a
+    tracer or torch.func). Immutable; a named tuple rather than a dataclass because torch.compile
     builds named tuples inside a trace on every supported torch (2.11's
     Dynamo cannot build a dataclass holding a ``GLUActivation`` there)."""
     activation: GLUActivation = SILU
@@ -51,6 +53,7 @@ class SwiGLUOptions(NamedTuple):
     inplace_backward: bool = False
     saved_x12_fp8: bool = False
     tile_grads_fp32: bool = True
+    path: object = None
 
 
 class SwiGLUFunction(LeanApplyFunction):
@@ -92,8 +95,9 @@ class SwiGLUFunction(LeanApplyFunction):
 
     @staticmethod
     def forward(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
-        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference, _gemm.functional(x),
-                                   options.saved_x12_fp8, tile_rows)
+        path = options.path  # decided by the API for this call: eager, so out= buffers are fine
+        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference,
+                                   path is None and _gemm.functional(x), options.saved_x12_fp8, tile_rows, path)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -143,11 +147,15 @@ class SwiGLUFunction(LeanApplyFunction):
         dh = torch.mm(dy2d, w3)                                            # GEMM 1
         # In-place reuse is always safe for the recomputed x12 (nobody else
         # holds it), but not under torch.func, where dh may carry a vmap batch.
+        # Decided once for this backward (None: traced or transformed, route decides per primitive).
+        path = None if is_transformed(x12) else dispatch.eager_path(dh, ctx.activation)
         if ctx.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
-            dx12, h = route.backward_fp8(x12, dh, ctx.activation)
+            dx12, h = (route.backward_fp8(x12, dh, ctx.activation) if path is None
+                       else path.backward_fp8(x12, dh))
         else:
             inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
-            dx12, h = route.backward(x12, dh, inplace, ctx.activation)      # one fused pass
+            dx12, h = (route.backward(x12, dh, inplace, ctx.activation) if path is None  # one fused pass
+                       else path.backward(x12, dh, inplace))
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
         H = dh.shape[1]
         if need_x:
@@ -171,25 +179,28 @@ class SwiGLUFunction(LeanApplyFunction):
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
-                        saved_x12_fp8: bool = False, tile_rows: int = 0):
+                        saved_x12_fp8: bool = False, tile_rows: int = 0, path=None):
     """The forward's computation: (y, x12), or (y, the 8-bit saved x12) with
     ``saved_x12_fp8`` (not under ``inference``). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path. The API calls this directly under no_grad (no
-    graph, so the Function has no job there)."""
+    graph, so the Function has no job there). ``path``: the call's decided
+    kernels-or-torch path (``dispatch.eager_path``), or None: ``route``
+    decides per primitive."""
     flat = x.dim() == 2
     if tile_rows:  # rows per tile, more rows than one tile (dense.tiled_passes)
         return tiled_passes.tiled_forward(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, w3, b3,
                                           activation, tile_rows, inference, is_functional, saved_x12_fp8,
                                           None if flat else (*x.shape[:-1], w3.shape[0]))
     x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
+    # No path object is made under a tracer (path None): Dynamo would have to build it.
     if inference:
-        h = route.forward_inplace(x12, activation)
-    elif saved_x12_fp8:
-        h, x12 = route.forward_fp8(x12, activation)  # h and the 8-bit x12 in one pass; x12 itself is dropped
+        h = route.forward_inplace(x12, activation) if path is None else path.forward_inplace(x12)
+    elif saved_x12_fp8:  # h and the 8-bit x12 in one pass; x12 itself is dropped
+        h, x12 = route.forward_fp8(x12, activation) if path is None else path.forward_fp8(x12)
     else:
-        h = route.forward(x12, activation)
+        h = route.forward(x12, activation) if path is None else path.forward(x12)
     return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
 
 

@@ -37,7 +37,8 @@ def gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, is_functional: bool
     separate ones write their halves of one buffer, so no weight is ever
     concatenated."""
     if w2 is None:
-        return linear_2d(x2d, w1, b1, out=None if is_functional else out)
+        # No out (the common call): straight to F.linear, as linear_2d would (a frame less).
+        return F.linear(x2d, w1, b1) if out is None or is_functional else linear_2d(x2d, w1, b1, out=out)
     if is_functional:
         return torch.cat([linear_2d(x2d, w1, b1), linear_2d(x2d, w2, b2)], dim=1)
     H = w1.shape[0]
@@ -52,7 +53,7 @@ def down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, is_functional: bool) 
     output), allocated in that shape (not a view, which FSDP2 warns about)
     outside tracing."""
     if out_shape is None:
-        return linear_2d(h, w3, b3)
+        return F.linear(h, w3, b3)  # as linear_2d without out (a frame less)
     if is_functional:
         return linear_2d(h, w3, b3).view(out_shape)
     y = torch.empty(out_shape, dtype=h.dtype, device=h.device)

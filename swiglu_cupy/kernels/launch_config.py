@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Iterator
@@ -116,12 +117,11 @@ def probing() -> Iterator[None]:
 
 # ---- the launcher: CuPy on a GPU, or a substitute for every primitive call -----------------
 
-_forced_launcher = None
+_forced = [None]  # the launcher set by using_launcher, process-wide
 
-
-def forced_launcher():
-    """The launcher set by ``using_launcher``, or None (CUDA tensors then use CuPy)."""
-    return _forced_launcher
+#: ``forced_launcher()``: the launcher set by ``using_launcher``, or None (CUDA
+#: tensors then use CuPy); a C-level getter (no Python frame per call).
+forced_launcher = functools.partial(_forced.__getitem__, 0)
 
 
 @contextlib.contextmanager
@@ -132,12 +132,11 @@ def using_launcher(launcher) -> Iterator[object]:
     inside the block: the whole op then runs the ``.cu`` kernels. Process-wide,
     not per thread, because autograd may run backward on its own threads;
     meant for tests and harnesses, not for concurrent use."""
-    global _forced_launcher
     if not callable(getattr(launcher, "launch", None)):
         raise TypeError(f"launcher must have a launch(name, dtype, device, grid, block, args) method, "
                         f"got {type(launcher).__name__}")
-    saved, _forced_launcher = _forced_launcher, launcher
+    saved, _forced[0] = _forced[0], launcher
     try:
         yield launcher
     finally:
-        _forced_launcher = saved
+        _forced[0] = saved

@@ -55,7 +55,7 @@ rest). Elsewhere (float64, odd widths, older GPUs) each expert's rows take a
 plain GEMM, after one device-to-host copy of the offsets (as does a grouped
 path that failed its first-use self-check, ``moe/grouped_path_check.py``).
 The activation is one fused launch over all routed rows
-(``primitives.run.run_swiglu_forward``), whatever E is; the backward is one
+(``primitives.dispatch.run_swiglu_forward``), whatever E is; the backward is one
 fused pass too.
 
 Expert parallelism: rows past ``offsets[-1]`` may be an expert-parallel
@@ -76,7 +76,7 @@ from .._dtypes import FULL_PRECISION_DTYPES
 from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
 from .._tile_size import HALF_DTYPES, resolve_tile_rows, tile_slices
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
-from ..primitives import run
+from ..primitives import dispatch
 from ..primitives.ops import spec_args
 from ..primitives.saved_x12 import saved_row_bytes
 from . import grouped_path_check
@@ -258,10 +258,10 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
     x12 = _gate_up_rows(rows, w12, w_up, b12, transposed, groups)            # GEMM 1 (2 separate)
     del rows  # the gathered copy is not kept
     if fp8:  # h and the 8-bit saved x12 (returned in x12's place) in one pass
-        h, x12 = run.run_swiglu_forward_fp8(x12, None, None, activation)
+        h, x12 = dispatch.run_swiglu_forward_fp8(x12, None, None, activation)
     else:
         # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
-        h = run.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+        h = dispatch.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -306,9 +306,9 @@ def _backward_body(dy, x, x12, offsets, w12, b12, w3, b3, rw, activation: GLUAct
     # overwrite; else a buffer is given (the CPU path then writes it in cache-sized
     # row blocks instead of joining two halves afterwards).
     if fp8:  # x12 is the 8-bit saved tensor
-        dx12, h = run.run_swiglu_backward_fp8(x12, dh, None, None, activation)
+        dx12, h = dispatch.run_swiglu_backward_fp8(x12, dh, None, None, activation)
     else:
-        dx12, h = run.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None,
+        dx12, h = dispatch.run_swiglu_backward(x12, dh, x12 if recomputed else torch.empty_like(x12), None, None,
                                           activation)
     dx = dw12 = db12 = dw3 = db3 = drw = dw_up = None
     if g is not None:

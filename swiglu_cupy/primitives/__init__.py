@@ -45,7 +45,7 @@ import torch
 
 from .._validation import check_gate, check_like, check_x12
 from ..activations import resolve_activation
-from .run import run_silu_mul_backward, run_silu_mul_forward, run_swiglu_backward, run_swiglu_forward
+from .dispatch import run_silu_mul_backward, run_silu_mul_forward, run_swiglu_backward, run_swiglu_forward
 
 __all__ = ["swiglu_forward", "swiglu_backward", "silu_mul_forward", "silu_mul_backward",
            "run_swiglu_forward", "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward"]

@@ -100,6 +100,8 @@ class LaunchPlan:
     config: LaunchConfig         # capped to what the instance was compiled for
     scalar_args: tuple           # (limit, alpha, up_offset, grad_bound) in the math dtype
     capped: bool                 # whether the grid needs the device's SM count
+    #: (M, columns, vec, SMs) -> (grid, block): ``launch_shape``'s answers, bounded
+    shapes: dict = dataclasses.field(default_factory=dict)
 
     def launch_rows(self, launcher, ref: torch.Tensor, M: int, H: int, pointers: tuple, strides: tuple) -> None:
         """A row kernel over [M, H]: arguments ``pointers..., M, H,
@@ -130,7 +132,13 @@ class LaunchPlan:
         if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
         device = ref.device
-        grid, block = launch_shape(M, columns, vec, self.config, sm_count(device) if self.capped else 0)
+        sms = sm_count(device) if self.capped else 0
+        shape = self.shapes.get((M, columns, vec, sms))
+        if shape is None:
+            if len(self.shapes) >= 256:
+                self.shapes.clear()
+            shape = self.shapes[(M, columns, vec, sms)] = launch_shape(M, columns, vec, self.config, sms)
+        grid, block = shape
         (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], ref.dtype,
                                              device, grid, block, (*args, *self.scalar_args))
 
@@ -229,10 +237,11 @@ def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=
                           activation: GLUActivation = SILU) -> torch.Tensor:
     """h [M, H] from x12 [M, 2H]. Halves: gate and up are x12's pointer and
     the one H elements on, with x12's row stride (no views are made)."""
-    x12 = _rows_view(x12)
+    if x12.stride(1) != 1 and x12.shape[1] > 1:
+        x12 = x12.contiguous()  # the kernels step rows, not columns (``_rows_view``, inline on this hot path)
     M, H = x12.shape[0], x12.shape[1] // 2
     if out is None:
-        h = target = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
+        h = target = x12.new_empty((M, H))
     else:
         h, target = out, _unit_rows(out)
     plan = launch_plan("swiglu_forward", activation, x12.dtype, launch_config)
@@ -254,10 +263,10 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
     x12, dh = _rows_view(x12), _rows_view(dh)
     M, H = x12.shape[0], x12.shape[1] // 2
     if dx12_out is None:
-        dx12 = target = torch.empty_like(x12, memory_format=torch.contiguous_format)
+        dx12 = target = x12.new_empty((M, 2 * H))
     else:
         dx12, target = dx12_out, _unit_rows(dx12_out)
-    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
+    h = x12.new_empty((M, H))
     plan = launch_plan("swiglu_backward", activation, x12.dtype, launch_config)
     x, ld, dx, dx_ld = x12.data_ptr(), x12.stride(0), target.data_ptr(), target.stride(0)
     if activation.interleaved:

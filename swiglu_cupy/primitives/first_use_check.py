@@ -97,8 +97,13 @@ class CheckResult:
 
 _lock = threading.RLock()   # reentrant: the MoE probe checks the activation module inside its own check
 _results: dict[tuple, CheckResult] = {}     # (launcher, variant, dtype, device) -> result
-#: (launcher, spec, dtype, device) -> kernels usable (``run`` reads a True verdict without a call)
+#: (launcher, spec, dtype, device) -> kernels usable (the module's first-use verdict)
 verdicts: dict[tuple, bool] = {}
+#: (launcher, variant, dtype, device) -> the launch configs its checks launched (absent: not
+#: probed, e.g. skipped: any config runs); a config's own probe is in ``_results`` under key + (config,)
+_covered: dict[tuple, set] = {}
+#: called by ``reset`` (the caches built on verdicts: ``dispatch``'s decided paths)
+on_reset: list = []
 
 
 def enabled() -> bool:
@@ -120,15 +125,50 @@ def probe_decision(device: torch.device) -> str:
     return "run"
 
 
-def kernels_usable(launcher, spec: GLUActivation, dtype: torch.dtype, device: torch.device) -> bool:
+def kernels_usable(launcher, spec: GLUActivation, dtype: torch.dtype, device: torch.device,
+                   config: LaunchConfig | None = None) -> bool:
     """Whether this call may run the kernels (``launcher`` None: CuPy's): the
-    module's self-check result, checked on its first use."""
+    module's self-check result, checked on its first use, and with
+    ``config`` (the call's launch config) that config's own: one the
+    module's check did not launch is probed at its first use."""
     verdict = verdicts.get((launcher, spec, dtype, device))
     if verdict is None:
         verdict = _first_use(launcher, spec, dtype, device)
     elif not verdict and strict_mode():
         raise SelfCheckError(_results[(launcher, kernel_variant(spec), dtype, device)].line())
+    if verdict and config is not None:
+        return _config_usable(launcher, spec, dtype, device, config)
     return verdict
+
+
+def _config_usable(launcher, spec, dtype, device, config: LaunchConfig) -> bool:
+    """A launch config after the module's check: usable if that check
+    launched it (or was skipped), else once its own probe passes."""
+    key = (launcher, kernel_variant(spec), dtype, device)
+    covered = _covered.get(key)
+    if covered is None or config in covered:
+        return True
+    config_key = key + (config,)
+    result = _results.get(config_key)
+    if result is None:
+        decision = probe_decision(device)
+        if decision == "defer":
+            return False
+        if decision == "refuse":
+            raise SelfCheckError(
+                f"swiglu-cupy: the {_label(key[1])} kernels ({dtype}, {device}) are first launched with "
+                f"{config.label} inside CUDA graph capture, before that config's self-check; call "
+                f"swiglu_cupy.warmup({str(device)!r}, dtypes=({dtype},), activations=({spec!r},)) inside "
+                f"using_launch_config(...) with this config before capture (or set {ENV}=0 to skip the check).")
+        result = record(config_key, lambda: run_probe(
+            key[1], dtype, f"{describe_device(launcher, device)}, {config.label}", device,
+            lambda: probe_module(launcher, spec, dtype, device, [config])))
+    if result.status == "failed":
+        if strict_mode():
+            raise SelfCheckError(result.line())
+        return False
+    covered.add(config)
+    return True
 
 
 def _first_use(launcher, spec, dtype, device) -> bool:
@@ -177,8 +217,11 @@ def check_module(launcher, spec: GLUActivation, dtype: torch.dtype, device: torc
 
 
 def _run_check(launcher, spec, dtype, device) -> CheckResult:
-    return run_probe(kernel_variant(spec), dtype, describe_device(launcher, device), device,
-                     lambda: probe_module(launcher, spec, dtype, device))
+    configs = probe_configs()
+    result = run_probe(kernel_variant(spec), dtype, describe_device(launcher, device), device,
+                       lambda: probe_module(launcher, spec, dtype, device, configs))
+    _covered[(launcher, kernel_variant(spec), dtype, device)] = set(configs)
+    return result
 
 
 def run_probe(variant: KernelVariant, dtype: torch.dtype, device_text: str, device: torch.device, probe,
@@ -236,6 +279,9 @@ def reset() -> None:
     with _lock:
         _results.clear()
         verdicts.clear()
+        _covered.clear()
+        for forget in on_reset:
+            forget()
 
 
 def probe_spec(variant: KernelVariant) -> GLUActivation:

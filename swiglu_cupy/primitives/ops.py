@@ -4,7 +4,7 @@ view that tracers and program transforms get of them.
 Each op wraps one plain function below, so there is one implementation
 (the primitives' ``run_*`` entry points: the arguments were validated once,
 by the public API):
-- eager calls never come here: ``route`` sends them to ``run`` directly
+- eager calls never come here: ``dispatch`` runs them directly
   (the custom-op dispatcher costs ~13 us per call);
 - torch.compile / torch.export trace the op: it stays in the graph as
   ``torch.ops.swiglu_cupy.*`` and runs our kernels (fake impls give shapes);
@@ -36,8 +36,8 @@ from typing import Optional
 import torch
 
 from ..activations import GLUActivation
-from . import run, saved_x12, torch_impl
-from .run import batch_first, gate_half, h_over_gate
+from . import dispatch, saved_x12, torch_impl
+from .dispatch import batch_first, gate_half, h_over_gate
 
 __all__ = ["aten_decompositions", "spec_args", "swiglu_forward_op", "swiglu_forward_inplace_op", "swiglu_backward_op",
            "swiglu_backward_inplace_op", "silu_mul_forward_op", "silu_mul_backward_op", "swiglu_forward_fp8_op",
@@ -63,7 +63,7 @@ def _spec(kind: str = "silu", limit: Optional[float] = None, alpha: float = 1.0,
 def _swiglu_forward_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
                          alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
                          ) -> torch.Tensor:
-    return run.run_swiglu_forward(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return dispatch.run_swiglu_forward(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_forward_inplace_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
@@ -76,7 +76,7 @@ def _swiglu_forward_inplace_body(x12: torch.Tensor, kind: str = "silu", limit: O
 def _swiglu_backward_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
                           limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                           interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return run.run_swiglu_backward(x12, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return dispatch.run_swiglu_backward(x12, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
@@ -84,34 +84,34 @@ def _swiglu_backward_inplace_body(x12: torch.Tensor, dh: torch.Tensor, kind: str
                                   interleaved: bool = False) -> torch.Tensor:
     """Writes dx12 over x12 and returns the recomputed h."""
     spec = _spec(kind, limit, alpha, up_offset, interleaved)
-    return run.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
+    return dispatch.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
 
 
 def _silu_mul_forward_body(gate: torch.Tensor, up: torch.Tensor, kind: str = "silu",
                            limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                            interleaved: bool = False) -> torch.Tensor:
-    return run.run_silu_mul_forward(gate, up, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return dispatch.run_silu_mul_forward(gate, up, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _silu_mul_backward_body(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
                             limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     spec = _spec(kind, limit, alpha, up_offset, interleaved)
-    return run.run_silu_mul_backward(gate, up, dh, activation=spec)
+    return dispatch.run_silu_mul_backward(gate, up, dh, activation=spec)
 
 
 def _swiglu_forward_fp8_body(x12: torch.Tensor, kind: str = "silu", limit: Optional[float] = None,
                              alpha: float = 1.0, up_offset: float = 0.0, interleaved: bool = False
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, the 8-bit saved x12) (``saved_x12``)."""
-    return run.run_swiglu_forward_fp8(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return dispatch.run_swiglu_forward_fp8(x12, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 def _swiglu_backward_fp8_body(saved: torch.Tensor, dh: torch.Tensor, kind: str = "silu",
                               limit: Optional[float] = None, alpha: float = 1.0, up_offset: float = 0.0,
                               interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h) in dh's dtype from the 8-bit saved x12."""
-    return run.run_swiglu_backward_fp8(saved, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
+    return dispatch.run_swiglu_backward_fp8(saved, dh, activation=_spec(kind, limit, alpha, up_offset, interleaved))
 
 
 # ---- registration ---------------------------------------------------------------------------
@@ -254,11 +254,11 @@ def _silu_mul_backward_aten(gate, up, dh, *spec, **named):
 
 
 def _forward_fp8_aten(x12, *spec, **named):
-    return run.run_swiglu_forward_fp8(x12, "torch", None, _spec(*spec, **named))
+    return dispatch.run_swiglu_forward_fp8(x12, "torch", None, _spec(*spec, **named))
 
 
 def _backward_fp8_aten(saved, dh, *spec, **named):
-    return run.run_swiglu_backward_fp8(saved, dh, "torch", None, _spec(*spec, **named))
+    return dispatch.run_swiglu_backward_fp8(saved, dh, "torch", None, _spec(*spec, **named))
 
 
 def _functional_aten() -> dict:

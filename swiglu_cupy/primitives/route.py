@@ -1,4 +1,5 @@
-"""Where each primitive call goes: eager calls straight to ``run`` (the
+"""Where each primitive call goes when no path was decided for the call (see
+``dispatch``): eager calls straight to ``dispatch`` (the
 kernels or the torch implementation), tracers (torch.compile / torch.export)
 and torch.func to the registered ops (``ops``), ONNX export to aten math
 (``torch_impl``). The Functions call these; the registered-ops module is
@@ -12,7 +13,7 @@ import torch
 
 from .._torch_compat import is_functorch_wrapped as _is_wrapped
 from ..activations import SILU, GLUActivation
-from . import ops, run, torch_impl
+from . import dispatch, ops, torch_impl
 
 __all__ = ["forward", "forward_inplace", "backward", "silu_mul_forward", "silu_mul_backward", "forward_fp8",
            "backward_fp8"]
@@ -30,13 +31,13 @@ def _route(*tensors: torch.Tensor) -> str:
 
 def forward(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
     if not (torch.compiler.is_compiling() or _is_wrapped(x12)):  # eager: _route's answer, one frame less
-        return run.run_swiglu_forward(x12, activation=spec)
+        return dispatch.run_swiglu_forward(x12, activation=spec)
     route = _route(x12)
     if route == "aten":
         return torch_impl.swiglu_forward_torch(x12, None, spec)
     if route == "op":
         return ops.swiglu_forward_op(x12, *ops.spec_args(spec))
-    return run.run_swiglu_forward(x12, activation=spec)
+    return dispatch.run_swiglu_forward(x12, activation=spec)
 
 
 def forward_inplace(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
@@ -55,8 +56,8 @@ def forward_inplace(x12: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tens
             # (Inductor re-inplaces it).
             return ops.swiglu_forward_op(x12, *ops.spec_args(spec))
         ops.swiglu_forward_inplace_op(x12, *ops.spec_args(spec))
-        return run.gate_half(x12)
-    return run.h_over_gate(x12, spec)
+        return dispatch.gate_half(x12)
+    return dispatch.h_over_gate(x12, spec)
 
 
 def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool, spec: GLUActivation = SILU
@@ -72,8 +73,8 @@ def backward(x12: torch.Tensor, dh: torch.Tensor, inplace: bool, spec: GLUActiva
             return x12, ops.swiglu_backward_inplace_op(x12, dh, *ops.spec_args(spec))
         return ops.swiglu_backward_op(x12, dh, *ops.spec_args(spec))
     if inplace:
-        return x12, run.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
-    return run.run_swiglu_backward(x12, dh, activation=spec)
+        return x12, dispatch.run_swiglu_backward(x12, dh, x12, activation=spec)[1]
+    return dispatch.run_swiglu_backward(x12, dh, activation=spec)
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, spec: GLUActivation = SILU) -> torch.Tensor:
@@ -82,7 +83,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, spec: GLUActivation =
         return torch_impl.silu_mul_forward_torch(gate, up, None, spec)
     if route == "op":
         return ops.silu_mul_forward_op(gate, up, *ops.spec_args(spec))
-    return run.run_silu_mul_forward(gate, up, activation=spec)
+    return dispatch.run_silu_mul_forward(gate, up, activation=spec)
 
 
 def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SILU
@@ -92,7 +93,7 @@ def silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, sp
         return torch_impl.silu_mul_backward_torch(gate, up, dh, activation=spec)
     if route == "op":
         return ops.silu_mul_backward_op(gate, up, dh, *ops.spec_args(spec))
-    return run.run_silu_mul_backward(gate, up, dh, activation=spec)
+    return dispatch.run_silu_mul_backward(gate, up, dh, activation=spec)
 
 
 def forward_fp8(x12: torch.Tensor, spec: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +101,7 @@ def forward_fp8(x12: torch.Tensor, spec: GLUActivation = SILU) -> tuple[torch.Te
     route = _route(x12)
     if route == "op":
         return ops.swiglu_forward_fp8_op(x12, *ops.spec_args(spec))
-    return run.run_swiglu_forward_fp8(x12, "torch" if route == "aten" else None, None, spec)
+    return dispatch.run_swiglu_forward_fp8(x12, "torch" if route == "aten" else None, None, spec)
 
 
 def backward_fp8(saved: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SILU
@@ -109,4 +110,4 @@ def backward_fp8(saved: torch.Tensor, dh: torch.Tensor, spec: GLUActivation = SI
     route = _route(saved, dh)
     if route == "op":
         return ops.swiglu_backward_fp8_op(saved, dh, *ops.spec_args(spec))
-    return run.run_swiglu_backward_fp8(saved, dh, "torch" if route == "aten" else None, None, spec)
+    return dispatch.run_swiglu_backward_fp8(saved, dh, "torch" if route == "aten" else None, None, spec)
