@@ -121,6 +121,21 @@ def test_class_patched_from_pretrained_save_and_reload_both_ways(tmp_path, famil
         torch.testing.assert_close(unpatched(ids()).logits, ref, rtol=0, atol=0)
 
 
+def test_class_patched_mlps_decide_their_fusion_when_built(class_patched, monkeypatch):
+    from swiglu_cupy.integrations import plan_runner
+
+    class_patched("llama")
+    model = tiny_model("llama")
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
+    assert len(mlps) == 2 and all(plan_runner._FUSION_ATTR in m.__dict__ for m in mlps)  # before any forward
+    decisions = []
+    real = plan_runner._decide_fusion
+    monkeypatch.setattr(plan_runner, "_decide_fusion", lambda *a: decisions.append(1) or real(*a))
+    with torch.no_grad():
+        model(ids())
+    assert decisions == [] and len(fused_mlps(model)) == 2
+
+
 def test_class_patched_training_matches_unpatched(class_patched):
     ref = tiny_model("qwen2")
     class_patched("qwen2")

@@ -65,6 +65,7 @@ class FusedGLUMLP(nn.Module):
         self.swiglu_plan = _plan_of_built_instance(self)
         if self.swiglu_plan is not None:
             _gather_as_leaf(self)  # built under deepspeed.zero.Init: whole from the first call
+            _decide_now(self)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if self.swiglu_pending is not None:
@@ -164,6 +165,15 @@ def install(module: nn.Module, plan: GLUPlan | None, recompute_gate_up: bool, in
     module.swiglu_family = family
     module.recompute_gate_up, module.inplace_backward = recompute_gate_up, inplace_backward
     _gather_as_leaf(module)
+    _decide_now(module)
+
+
+def _decide_now(module: nn.Module) -> None:
+    """Whole MLP or activation only, decided when the plan is set (at patch
+    time, or at the first forward of a pending module): each call then only
+    compares the state it was decided on (``plan_runner.fusion_of``)."""
+    if module.swiglu_plan is not None:
+        fusion_of(module, module.swiglu_plan)
 
 
 def _gather_as_leaf(module: nn.Module) -> None:
@@ -238,6 +248,7 @@ def _resolve_pending(module: FusedGLUMLP) -> str | None:
     plan, reason = choose_plan(module, cands, True, (module.recompute_gate_up, module.inplace_backward),
                                own_forward=_own_forward(module))
     module.swiglu_plan = plan
+    _decide_now(module)
     if plan is None:
         message = (f"swiglu_cupy: a {module._swiglu_base.__name__} patched on the meta device (or partitioned by "
                    f"ZeRO-3) was checked at its first forward and runs its original forward: {reason}")
