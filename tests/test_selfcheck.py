@@ -522,3 +522,34 @@ def test_a_new_launch_config_inside_graph_capture_names_warmup(host_launcher, mo
         with pytest.raises(selfcheck.SelfCheckError, match="threads=512 .*inside CUDA graph capture.*warmup"):
             primitives.swiglu_forward(x12, launcher=launcher)
     assert launcher.calls == calls
+
+
+def test_concurrent_first_use_from_threads_probes_once_and_agrees(host_launcher):
+    """8 threads make a module's first call at once (each with its own launch
+    decision to take): one probe runs, and every thread gets the kernels' result."""
+    import threading
+
+    launcher = Passthrough(host_launcher)
+    x12, _ = _inputs(6, 16, torch.float32, sc.GLUActivation())
+    expected = primitives.swiglu_forward(x12, launcher=host_launcher)
+    probes = len(host_launcher.probe_launches)
+    start, results, errors = threading.Barrier(8), [None] * 8, []
+
+    def first_call(i):
+        try:
+            start.wait()
+            results[i] = primitives.swiglu_forward(x12, launcher=launcher)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    result = _result(launcher, sc.GLUActivation(), torch.float32)
+    assert (result.status, result.calls) == ("passed", 1)
+    assert len(host_launcher.probe_launches) > probes
+    assert all(torch.equal(r, expected) for r in results)          # the kernels' result, in every thread
+    assert launcher.calls - result.launches == 8                   # one launch each, besides the probe
