@@ -15,7 +15,7 @@ from swiglu_cupy.tools.bench.config import Settings
 from swiglu_cupy.tools.bench.measure import Clock, elementwise_bytes
 from swiglu_cupy.tools.bench.sweep import (KERNELS, SweepShape, best_per_kernel, describe_estimate, estimate_seconds,
                                      format_sweep, recommend, resolve_sweep, sweep_shape)
-from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, current_launch_config
+from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig
 
 FAST = LaunchConfig(2, 256, None)
 SLOW = LaunchConfig(1, 128, 1)
@@ -130,8 +130,7 @@ def test_keeps_the_default_within_noise_and_skips_failed_candidates():
     rec = recommend(results)
     assert rec["label"] == FAST.label and not rec["change_default"]  # 0.4% faster: noise
     text = format_sweep(_report(results))
-    assert "keep the default (DEFAULT_LAUNCH = LaunchConfig(packs_per_thread=1, threads_per_block=256, " \
-           "grid_waves=None)): no candidate is more than 2% faster overall" in text
+    assert f"keep the default (DEFAULT_LAUNCH = {DEFAULT_LAUNCH!r}): no candidate is more than 2% faster overall" in text
     assert f"{broken['label']}" in text and "outputs differ from the default" in text
     assert f"FAILED (1): {broken['label']} at M=8192 H=11008" in text
 
@@ -150,21 +149,30 @@ def test_without_cuda_exits_2_and_writes_nothing(tmp_path):
 
 
 class _SkippingLauncher:
-    """The host launcher, except that launches under ``skip`` do nothing: a
-    launch shape that misses elements."""
+    """The host launcher, except that launches with ``skip``'s block size do
+    nothing: a launch shape that misses elements (a fault of the shape, as on
+    a GPU, so the config's own self-check probe meets it too)."""
 
     def __init__(self, launcher, skip):
         self.launcher, self.skip = launcher, skip
 
-    def launch(self, *args):
-        if current_launch_config() != self.skip:
-            self.launcher.launch(*args)
+    def launch(self, name, dtype, device, grid, block, args):
+        if block[0] * block[1] * block[2] != self.skip.threads_per_block:
+            self.launcher.launch(name, dtype, device, grid, block, args)
 
 
-def test_one_shape_swept_with_host_executed_kernels(host_launcher):
+def test_one_shape_swept_with_host_executed_kernels(host_launcher, monkeypatch):
     M, H = 40, 72   # vector path for bf16 (H % 8 == 0)
     settings = Settings("cpu", True, warmup=0, repeats=2, overhead_calls=0, copy_mib=1)
     candidates = (DEFAULT_LAUNCH, FAST, SLOW)
+    # The self-check on: SLOW's own probe catches it (it would run torch), and it is not timed.
+    with pytest.warns(RuntimeWarning, match="self-check FAILED.*" + SLOW.label):
+        res = sweep_shape(SweepShape(M, H, "bf16"), candidates, Clock(torch.device("cpu")), settings, 10.0,
+                          progress=lambda _: None, launcher=_SkippingLauncher(host_launcher, SLOW))
+    refused = next(c for c in res["candidates"] if c["label"] == SLOW.label)
+    assert "self-check failed" in refused["error"] and not any(k in refused for k in KERNELS)
+    # The self-check off: the sweep's own comparison with the default's outputs catches it.
+    monkeypatch.setenv("SWIGLU_CUPY_SELFCHECK", "0")
     res = sweep_shape(SweepShape(M, H, "bf16"), candidates, Clock(torch.device("cpu")), settings, 10.0,
                       progress=lambda _: None, launcher=_SkippingLauncher(host_launcher, SLOW))
     assert res["bytes"] == dict(zip(KERNELS, elementwise_bytes(M, H, 2)))

@@ -259,14 +259,16 @@ def test_every_capped_candidate_in_place(host_launcher, config):
     _check(x12, dh, dx12=work)
 
 
-def test_default_launch_shape_is_unchanged():
-    """The default keeps today's shape: one pack per thread, 256-thread blocks
-    (at most 128 across a row), one block row per 256 // block_x rows, no cap."""
-    assert DEFAULT_LAUNCH == LaunchConfig(1, 256, None)
+def test_default_launch_shape():
+    """The default (the machine-code model's choice): one pack per thread,
+    256-thread blocks (at most 128 across a row), one block row per
+    256 // block_x rows, the grid capped at one wave (132 SMs x 8 blocks):
+    small calls launch as uncapped, large ones loop."""
+    assert DEFAULT_LAUNCH == LaunchConfig(1, 256, 1)
     for M, H, vec, expected in [
         (1, 1, 1, ((1, 1, 1), (32, 8, 1))),
-        (8192, 11008, 8, ((11, 4096, 1), (128, 2, 1))),
-        (10**6, 64, 8, ((1, 65535, 1), (32, 8, 1))),
+        (8192, 11008, 8, ((11, 96, 1), (128, 2, 1))),      # 1056 // 11 block rows, each looping over rows
+        (10**6, 64, 8, ((1, 1056, 1), (32, 8, 1))),
         (5, 4099, 1, ((33, 3, 1), (128, 2, 1))),
     ]:
         assert kernels.launch_shape(M, H, vec, DEFAULT_LAUNCH, sm_count=132) == expected

@@ -205,7 +205,8 @@ def test_the_8bit_walk_covers_a_lanes_columns():
         instance = mc.instance_of(kernel, variant)
         if kernel.endswith("_p1") and instance.fp8:
             assert code.walk_error is None, code.walk_error
-            assert code.elements == 8, kernel
+            assert mc.elements_per_thread(instance, dtype, variant) == 8, kernel   # per tile
+            assert code.elements % 8 == 0, kernel                                   # whole tiles walked
             if instance.vectorized:
                 # lane 5 writes no scale (lane 0 does); each lane reads its block's scales (a cached 4 B each)
                 assert code.bytes_per_element - 1 / 16 <= code.walked_bytes_per_element <= code.bytes_per_element + 1
@@ -246,6 +247,39 @@ def test_cli_compile_report(capsys, monkeypatch):
     assert "swiglu_forward_vec_p1" in out and "glu_backward_fp8_silu_clamp_pairs_scalar_p4" in out
     assert "instr/el" in out and "H100" in out and "B200" in out
     assert "96 kernels:" in out
+    assert "The default launch by the model" in out and "<- DEFAULT_LAUNCH" in out
+
+
+@needs_cuobjdump
+def test_the_default_launch_is_the_models_choice():
+    """``DEFAULT_LAUNCH`` is the launch the issue/memory model ranks first for
+    SwiGLU's 16-byte kernels on the session's modules (candidates: each
+    packs-per-thread instance, uncapped or capped at 1 or 4 waves), and on it
+    a thread's prologue is shared by its tiles: fewer instructions than one
+    tile per thread."""
+    from swiglu_cupy.kernels.launch_config import DEFAULT_LAUNCH, LaunchConfig
+
+    compiled = nvrtc_modules.compiled(JOBS)
+    modules = {(d, a): compiled[(v, d, a)][:2] for v, d, a in JOBS if v == DEFAULT_VARIANT and d != torch.float64}
+    scores = mc.score_launches(modules)
+    assert scores[0].config == DEFAULT_LAUNCH, mc.format_launch_scores(scores)
+    one_tile = next(s for s in scores if s.config == LaunchConfig(1, DEFAULT_LAUNCH.threads_per_block, None))
+    assert scores[0].instructions < 0.8 * one_tile.instructions and scores[0].worst < one_tile.worst
+
+
+def test_a_capped_launch_counts_every_tile_of_the_walked_thread():
+    """The walked thread's elements: one tile uncapped; on a grid capped at
+    one wave of the host's stand-in SM count, the tiles of its grid-stride
+    loops over rows and columns."""
+    from swiglu_cupy.kernels.launch_config import LaunchConfig
+
+    one = mc.launch_for("swiglu_forward_vec_p1", torch.bfloat16, DEFAULT_VARIANT, LaunchConfig(1, 256, None))
+    capped = mc.launch_for("swiglu_forward_vec_p1", torch.bfloat16, DEFAULT_VARIANT, LaunchConfig(1, 256, 1))
+    assert one.elements_per_thread == 8 and capped.grid == (8, 1, 1) and capped.block == (128, 2, 1)
+    # rows 1, 3, 5, 7 of 8; columns 40 + k * 8 * 128 * 8 of 65536: 4 x 8 tiles of 8 elements
+    assert capped.elements_per_thread == 4 * 8 * 8
+    # rows 1, 7, 13, 19 of 20; columns 64 and 192 of 300 (stride 2 x 32 x 2 packs)
+    assert mc.tiles_of_thread((2, 3, 1), (32, 2, 1), (0, 1, 0), (1, 0, 0), 20, 300, 1, 2) == 4 * 2
 
 
 # ---- parsing, on fixed text ----------------------------------------------------------------------

@@ -71,8 +71,17 @@ class LaunchConfig:
         return self.grid_waves * sm_count * max(1, RESIDENT_THREADS_PER_SM // self.threads_per_block)
 
 
-# Today's shape until a GPU measurement says otherwise.
-DEFAULT_LAUNCH = LaunchConfig(packs_per_thread=1, threads_per_block=256, grid_waves=None)
+# Chosen by the issue/memory model of the kernels' machine code (a GPU
+# measurement may overrule it: ``bench --sweep-launch``): one pack per thread,
+# the grid capped at one wave, so each thread covers several tiles with one
+# prologue. Uncapped (one tile per thread), the prologue is paid per tile:
+# +40-100% instructions per element, which made bf16 and fp32 SwiGLU issue-bound
+# on a B200 (0.75 / 0.61 of the memory time, now 0.59 / 0.30). More packs per
+# thread score as well or a little better but take up to twice the registers,
+# whose occupancy cost the model leaves out. The comparison:
+# ``machine_code.score_launches``, printed by ``python -m swiglu_cupy compile
+# --report``; ``tests/test_machine_code.py`` checks this is its first choice.
+DEFAULT_LAUNCH = LaunchConfig(packs_per_thread=1, threads_per_block=256, grid_waves=1)
 
 LAUNCH_CANDIDATES = tuple(LaunchConfig(p, t, w) for p, t, w in
                           itertools.product(PACKS_PER_THREAD, THREADS_PER_BLOCK, GRID_WAVES))

@@ -100,7 +100,7 @@ class LaunchPlan:
     config: LaunchConfig         # capped to what the instance was compiled for
     scalar_args: tuple           # (limit, alpha, up_offset, grad_bound) in the math dtype
     capped: bool                 # whether the grid needs the device's SM count
-    #: (M, columns, vec, SMs) -> (grid, block): ``launch_shape``'s answers, bounded
+    #: (M, columns, vec, device) -> (grid, block): ``launch_shape``'s answers, bounded
     shapes: dict = dataclasses.field(default_factory=dict)
 
     def launch_rows(self, launcher, ref: torch.Tensor, M: int, H: int, pointers: tuple, strides: tuple) -> None:
@@ -132,12 +132,12 @@ class LaunchPlan:
         if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
         device = ref.device
-        sms = sm_count(device) if self.capped else 0
-        shape = self.shapes.get((M, columns, vec, sms))
+        shape = self.shapes.get((M, columns, vec, device))
         if shape is None:
             if len(self.shapes) >= 256:
                 self.shapes.clear()
-            shape = self.shapes[(M, columns, vec, sms)] = launch_shape(M, columns, vec, self.config, sms)
+            shape = self.shapes[(M, columns, vec, device)] = launch_shape(
+                M, columns, vec, self.config, sm_count(device) if self.capped else 0)
         grid, block = shape
         (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], ref.dtype,
                                              device, grid, block, (*args, *self.scalar_args))

@@ -61,7 +61,7 @@ from ..kernels import sass
 from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
 from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, kernel_name,
                       vector_width)
-from ..kernels.launch_config import DEFAULT_LAUNCH, PACKS_PER_THREAD, LaunchConfig
+from ..kernels.launch_config import DEFAULT_LAUNCH, GRID_WAVES, PACKS_PER_THREAD, LaunchConfig
 
 
 class ModelError(RuntimeError):
@@ -216,8 +216,22 @@ def launch_for(name: str, dtype: torch.dtype, variant: KernelVariant = DEFAULT_V
         raise ModelError(f"the host launched {[c[0] for c in rec.calls]} for {name} (dtype {dtype})")
     _, grid, block, args = rec.calls[0]
     by = grid[1] // 2
-    return KernelLaunch(grid, block, args, elements_per_thread(instance, dtype, variant),
-                        bytes_per_element(instance, dtype), thread=(5, block[1] - 1, 0), block_idx=(0, by, 0))
+    thread, block_idx = (5, block[1] - 1, 0), (0, by, 0)
+    columns = cuda_impl.fp8_launch_columns(H, spec, dtype) if instance.fp8 else H
+    vec = vector_width(dtype) if instance.vectorized and not instance.fp8 else 1
+    tiles = tiles_of_thread(grid, block, thread, block_idx, M, columns, vec, config.packs_per_thread)
+    return KernelLaunch(grid, block, args, tiles * elements_per_thread(instance, dtype, variant),
+                        bytes_per_element(instance, dtype), thread=thread, block_idx=block_idx)
+
+
+def tiles_of_thread(grid, block, thread, block_idx, rows: int, columns: int, vec: int, packs: int) -> int:
+    """The tiles one thread covers: the kernels' grid-stride loops
+    (``SWIGLU_FOR_EACH_TILE_OF``) over rows, then over its row's tile
+    columns. One on an uncapped launch; on a capped grid each thread loops,
+    and its prologue is shared by every tile it covers."""
+    row_loop = range(block_idx[1] * block[1] + thread[1], rows, grid[1] * block[1])
+    column_loop = range((block_idx[0] * block[0] * packs + thread[0]) * vec, columns, grid[0] * block[0] * packs * vec)
+    return len(row_loop) * len(column_loop)
 
 
 def pack_params(args, layout: sass.ParamLayout | None = None) -> bytes:
@@ -493,7 +507,9 @@ def goal_for(variant: KernelVariant, dtype: torch.dtype, kernel: str) -> Goal | 
 REPORT_HEADER = """\
 Predicted from the machine code (SASS of the NVRTC cubins, read with cuobjdump), not measured.
 instr/elem: instructions one thread executes per h element on the default launch
-  (one tile per thread), walked through the SASS with the launch's real arguments:
+  (DEFAULT_LAUNCH: one pack per thread, the grid capped at one wave, so each thread
+  loops over several tiles and shares its prologue among them), walked through the
+  SASS with the launch's real arguments:
   loops run as often as they do for that thread, bounds tests go in bounds, a math
   routine's data-dependent branch takes its fast path, predicated instructions count.
 B/elem: DRAM bytes per h element (forward 3 es; backward 6 es: it writes h;
@@ -553,7 +569,61 @@ def report_modules(jobs, modules, workers: int | None = None) -> str:
     else:
         results = [_analyze_job(w) for w in work]
     codes = [c for module in results for c in module]
-    return format_report(codes) + "\n\n" + summarize(codes)
+    text = format_report(codes) + "\n\n" + summarize(codes)
+    swiglu = {(dtype, arch): module for (dtype, arch, variant), module in zip(jobs, modules)
+              if variant == DEFAULT_VARIANT and dtype != torch.float64}
+    return text + ("\n\n" + format_launch_scores(score_launches(swiglu)) if swiglu else "")
+
+
+# ---- the default launch, chosen by the model ------------------------------------------------
+
+#: The candidates for the default launch: each compiled packs-per-thread
+#: instance, uncapped (one tile per thread) or grid-stride over a capped grid,
+#: at the default block size (the block size does not change a thread's code).
+LAUNCH_CHOICES = tuple(LaunchConfig(p, DEFAULT_LAUNCH.threads_per_block, w) for p in PACKS_PER_THREAD for w in GRID_WAVES)
+
+
+@dataclass(frozen=True)
+class LaunchScore:
+    config: LaunchConfig
+    worst: float          # the highest issue/memory ratio of the scored kernels on their parts
+    registers: int        # the most registers one of them uses (occupancy: not in the model)
+    instructions: float   # their instr/elem, summed
+
+
+def score_launches(modules, configs=LAUNCH_CHOICES, variant: KernelVariant = DEFAULT_VARIANT) -> list[LaunchScore]:
+    """Each config's score over the 16-byte elementwise kernels (forward and
+    backward) of ``variant`` in ``modules``: (dtype, arch) -> (reports,
+    cubin), each kernel walked on that launch. Best first: the lowest worst
+    ratio (to 0.01), then the fewest registers, then the fewest instructions."""
+    scores = []
+    walked = {}
+    for (dtype, arch), (reports, cubin) in modules.items():
+        functions, layouts = sass.disassemble(cubin), sass.param_layouts(cubin)
+        by_name = {r.kernel: r for r in reports}
+        for config in configs:
+            for kind in KERNEL_KINDS:
+                name = kernel_name(kind, True, config.packs_per_thread, variant)
+                code = analyze_function(functions[name], functions, launch_for(name, dtype, variant, config),
+                                        layouts.get(name), by_name.get(name))
+                if code.walk_error:
+                    raise ModelError(f"{name} ({dtype}, {arch}, {config.label}): {code.walk_error}")
+                walked.setdefault(config, []).append(code)
+    for config, codes in walked.items():
+        worst = max(p.ratio for c in codes for p in c.predictions.values())
+        scores.append(LaunchScore(config, worst, max(c.registers or 0 for c in codes),
+                                  sum(c.instr_per_element for c in codes)))
+    return sorted(scores, key=lambda s: (round(s.worst, 2), s.registers, s.instructions))
+
+
+def format_launch_scores(scores: list[LaunchScore]) -> str:
+    lines = ["The default launch by the model (SwiGLU's 16-byte forward and backward kernels; worst predicted "
+             "issue/memory ratio, most registers, instr/elem summed; best first):"]
+    for s in scores:
+        mark = "  <- DEFAULT_LAUNCH" if s.config == DEFAULT_LAUNCH else ""
+        lines.append(f"  {s.config.label:<32} worst {s.worst:5.2f}  regs {s.registers:>3}  "
+                     f"instr/elem {s.instructions:7.2f}{mark}")
+    return "\n".join(lines)
 
 
 def _analyze_job(work) -> list[KernelCode]:

@@ -26,7 +26,9 @@ from pathlib import Path
 
 import torch
 
+from ...activations import SILU
 from ...kernels.launch_config import DEFAULT_LAUNCH, LAUNCH_CANDIDATES, LaunchConfig, using_launch_config
+from ...primitives import first_use_check
 from .config import DTYPES, PRESETS, Settings
 from .contenders import ours_implementation
 from .environment import environment
@@ -143,6 +145,11 @@ def sweep_shape(shape: SweepShape, candidates, clock: Clock, settings: Settings,
         progress(f"{shape.label()} {config.label}")
         entry: dict = {"config": asdict(config), "label": config.label, "is_default": config == DEFAULT_LAUNCH}
         try:
+            # A config its self-check refuses would run (and be timed as) the torch implementation.
+            if not first_use_check.kernels_usable(launcher, SILU, dtype, device, config):
+                entry["error"] = "its first-use self-check failed (see the warning): not timed"
+                out["candidates"].append(entry)
+                continue
             with using_launch_config(config):
                 # NaN in the outputs first: an element a launch shape misses cannot pass.
                 h.fill_(float("nan"))
