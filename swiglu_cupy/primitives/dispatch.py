@@ -56,7 +56,6 @@ class KernelPath:
     """The kernels, for one (launcher, GLU spec, dtype, device, launch
     config) whose self-check passed (``launcher`` None: CuPy's)."""
     __slots__ = ("launcher", "spec", "config")
-    kernels = True
 
     def __init__(self, launcher, spec: GLUActivation, config) -> None:
         self.launcher, self.spec, self.config = launcher, spec, config
@@ -86,8 +85,7 @@ class KernelPath:
 class TorchPath:
     """The torch implementation, for one GLU spec."""
     __slots__ = ("spec",)
-    kernels = False
-    launcher = False
+    launcher = False  # as ``_kernel_launcher`` answers for the torch implementation
 
     def __init__(self, spec: GLUActivation) -> None:
         self.spec = spec
