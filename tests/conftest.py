@@ -163,7 +163,7 @@ TESTS = {
                           "test_whole_function_with_host_kernels": "quick",
                           "test_silu_mul_kernels_match_torch_implementation": "quick",
                           "test_silu_mul_in_place": "quick",
-                          "test_default_launch_shape_is_unchanged": "quick"},
+                          "test_default_launch_shape": "quick"},
     "test_compile_check.py": {"test_parse_ptxas_log": "quick",
                               "test_launch_candidates_only_use_compiled_instances_and_block_sizes": "quick"},
     "test_machine_code.py": {name: "quick" for name in (   # the SASS parser and walk on small inputs
