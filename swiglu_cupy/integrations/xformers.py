@@ -28,7 +28,7 @@ def patch_xformers(model: nn.Module, strict: bool = False) -> int:
     default) get :data:`SwiGLUPackedFusedOp`, ``_pack_weights=False`` ones
     :data:`SwiGLUFusedOp`. Weights, parameter names and state_dict stay
     xformers'. ``strict=True`` raises ``ValueError`` if there was none;
-    otherwise, when ``model`` holds xformers ``SwiGLU``\ s but none could be
+    otherwise, when ``model`` holds xformers ``SwiGLU`` modules but none could be
     patched (each lies inside a module the walk handles, e.g. as the
     projection of a GLU feed-forward), it warns, naming the first and why.
 
