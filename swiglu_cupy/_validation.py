@@ -214,6 +214,22 @@ def common_packed_case(x, w12, b12, w3, b3) -> bool:
         return False
 
 
+def common_unpacked_case(x, w1, b1, w2, b2, w3, b3) -> bool:
+    """``common_case`` and ``check_unpacked_shapes`` in one pass, for the hot
+    call with separate gate/up weights (a patched HF MLP); False sends the
+    call through both for the precise error."""
+    if not common_case(x, (w1, w2, w3), (b1, b2, b3)):
+        return False
+    try:
+        H, D = w1.shape
+        O, H3 = w3.shape
+        return (x.shape[-1] == D and H > 0 and H3 == H and w2.shape == w1.shape
+                and (b1 is None or b1.shape == (H,)) and (b2 is None or b2.shape == (H,))
+                and (b3 is None or b3.shape == (O,)))
+    except (ValueError, IndexError):  # a rank other than 2, or a 0-d x
+        return False
+
+
 # ---- mixture of experts ------------------------------------------------------------------
 
 _MOE_ROLES = {"x_sorted": Role.INPUT, "hidden_states": Role.INPUT, "w12": Role.WEIGHT, "b12": Role.WEIGHT,

@@ -47,3 +47,46 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+# ---- swiglu_unpacked: the one-pass check of the common call, and the precise errors past it ----
+
+def _unpacked(D=6, H=4, O=5, bias=True):
+    w1, w2, w3 = torch.randn(H, D), torch.randn(H, D), torch.randn(O, H)
+    b1, b2, b3 = (torch.randn(H), torch.randn(H), torch.randn(O)) if bias else (None, None, None)
+    return torch.randn(3, D), w1, b1, w2, b2, w3, b3
+
+
+UNPACKED_SHAPE_FAULTS = [  # (argument index, replacement, the error's words)
+    (1, torch.randn(4, 7), "w1 must be 2-D \\[H, D\\] with D = x.shape\\[-1\\] = 6"),
+    (1, torch.randn(4, 6, 1), "w1 must be 2-D"),
+    (3, torch.randn(3, 6), "w2 must have the shape of w1"),
+    (2, torch.randn(3), "b1 must have shape \\(4,\\)"),
+    (4, torch.randn(5), "b2 must have shape \\(4,\\)"),
+    (5, torch.randn(5, 3), "w3 must be 2-D \\[O, H\\] with H = 4"),
+    (6, torch.randn(4), "b3 must have shape \\(5,\\)"),
+    (0, torch.tensor(1.0), "x must have shape \\[..., D\\], got a 0-d tensor"),
+]
+
+
+@pytest.mark.parametrize("index,bad,match", UNPACKED_SHAPE_FAULTS)
+def test_unpacked_shape_faults_leave_the_common_case_and_name_the_argument(index, bad, match):
+    from swiglu_cupy import _validation as check
+
+    args = list(_unpacked())
+    assert check.common_unpacked_case(*args)
+    args[index] = bad
+    assert not check.common_unpacked_case(*args)
+    with pytest.raises(ValueError, match=match):
+        sc.swiglu_unpacked(*args)
+
+
+def test_unpacked_common_case_without_biases_matches_the_reference():
+    x, w1, b1, w2, b2, w3, b3 = _unpacked(bias=False)
+    x, w1, w2, w3 = (t.double() for t in (x, w1, w2, w3))
+    x.requires_grad_(True)
+    y = sc.swiglu_unpacked(x, w1, None, w2, None, w3, None)
+    ref = w3.matmul((torch.nn.functional.silu(x @ w1.T) * (x @ w2.T)).T).T
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    y.sum().backward()
+    assert x.grad.abs().sum() > 0

@@ -144,10 +144,10 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     have no interleaving).
     """
     check.reject_jit()
-    if not check.common_case(x, (w1, w2, w3), (b1, b2, b3)):
+    if not check.common_unpacked_case(x, w1, b1, w2, b2, w3, b3):
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
-    check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
+        check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
     options = _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32, True)
     return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows)
 

@@ -36,6 +36,7 @@ from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
 from . import saved_x12
 
+_U64, _I64 = np.uint64, np.int64  # the kernels' pointer and integer argument types (read as globals per launch)
 MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
 MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-stride loop
 HOST_SM_COUNT = 1   # stand-in for launchers without a GPU, so capped grids stay small
@@ -122,7 +123,7 @@ class LaunchPlan:
                         vec = 1
                         break
         self.launch(launcher, ref, M, H, vec,
-                    (*map(np.uint64, pointers), np.int64(M), np.int64(H), *map(np.int64, strides)))
+                    (*map(_U64, pointers), _I64(M), _I64(H), *map(_I64, strides)))
 
     def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple,
                vectorized: bool | None = None) -> None:
