@@ -38,19 +38,11 @@ functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_acti
 # lean apply calls it directly. If torch moves the C++ base class, the lean
 # apply falls back to Function.apply (a speed loss, not a wrong result).
 #: The C++ apply (a classmethod descriptor: ``cpp_apply.__get__(None, cls)`` is
-#: ``cls``'s), or None where this torch has none to call.
+#: ``cls.apply`` without the Python-level argument binding), or None where this
+#: torch has none to call.
 cpp_apply = getattr(_private(torch._C, "_FunctionBase", None, "the Functions take "
                              "torch.autograd.Function.apply (correct, ~15 us slower per call)"),
                     "__dict__", {}).get("apply")
-
-
-def _call_cpp_apply(cls, *args):
-    """``cls.apply(*args)`` without the Python-level argument binding."""
-    return cpp_apply.__get__(None, cls)(*args)
-
-
-#: None where this torch has no C++ apply to call (see above).
-cpp_function_apply = None if cpp_apply is None else _call_cpp_apply
 
 
 # The raw cudaStream_t of a device's current stream, without building a
