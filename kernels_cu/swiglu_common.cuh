@@ -120,10 +120,26 @@ template <int N> struct alignas(sizeof(scalar_t) * N) Pack { scalar_t v[N]; };
 // A 16-byte pack moves as one uint4. The store is explicit PTX on the device:
 // for multi-pack tiles NVVM lost the 16-byte alignment of a plain C++ store
 // and split it into 4-byte stores (the compile-check test counts them); the
-// 8-byte packs (the 8-bit kernels' interleaved h) split into 2-byte stores alike.
+// 8-byte packs (the 8-bit kernels' interleaved h) split into 2-byte stores
+// alike. An fp32 pack loads through PTX as well: NVVM split the clamped
+// variants' fp32 gate loads into 8- and 4-byte ones on sm_100 (each float
+// one word of the uint4). The 16-bit types keep the plain load (through PTX,
+// ptxas held SwiGLU's 2-pack backward to 64 registers under NVRTC 13.0 and
+// spilled). Volatile: the loads keep their place before the stores (in
+// place, h is written over the gate half it was computed from).
 template <int N> __device__ __forceinline__ Pack<N> load_pack(const scalar_t* p) {
     if constexpr (sizeof(Pack<N>) == sizeof(uint4)) {
+#ifdef __CUDA_ARCH__
+        uint4 raw;
+        if constexpr (sizeof(scalar_t) == 4) {
+            asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "l"(p));
+        } else {
+            raw = *reinterpret_cast<const uint4*>(p);
+        }
+#else
         const uint4 raw = *reinterpret_cast<const uint4*>(p);
+#endif
         Pack<N> v;
         memcpy(&v, &raw, sizeof(v));
         return v;

@@ -4,16 +4,19 @@
 // scales in place of x12 (h recomputed, dgate/dup with the clamps' masks
 // taken from the dequantized values).
 //
-// A block is 128 columns of one row; LANES (16 lanes for 16-bit types, 32
-// for fp32) own it, each lane COLS = SWIGLU_VEC_WIDTH of its columns, read
-// once into registers; the lanes' amaxes meet by shuffles. The grid maps a
-// row's blocks times LANES lane slots (rounded up to whole warps) like the
-// other kernels map packs (N = 1): a warp holds 2 blocks (16-bit) or 1. The
-// 16-byte instances (N > 1; H, the row strides and the pointers allow it, as
-// for the other kernels) give a lane columns [COLS l, COLS l + COLS), one
-// 16-byte access per operand and COLS bytes of codes as 4-byte words, so a
-// warp's access is contiguous. The any-alignment instances give it columns
-// l + LANES k, one element per access (pairs: the pairs l + LANES j).
+// A block is 128 columns of one row; LANES lanes own it (8 for 16-bit types,
+// 16 for fp32), each lane COLS = SWIGLU_FP8_LANE_PACKS x SWIGLU_VEC_WIDTH of
+// its columns, read once into registers; the lanes' amaxes meet by shuffles.
+// The grid maps a row's blocks times LANES lane slots (rounded up to whole
+// warps) like the other kernels map packs (N = 1): a warp holds 4 blocks
+// (16-bit) or 2. More than one pack per lane amortizes a block's fixed work
+// (its amax shuffles, its quantizer, the tile's index math) over more
+// elements. The 16-byte instances (N > 1; H, the row strides and the
+// pointers allow it, as for the other kernels) give lane l the packs at
+// columns VEC l + 128 p / LANE_PACKS, one 16-byte access per pack and
+// operand and VEC bytes of codes as 4-byte words, so each of a warp's
+// accesses covers whole 32-byte sectors. The any-alignment instances give it
+// columns l + LANES k, one element per access (pairs: the pairs l + LANES j).
 //
 // Halves layout: a block is 128 columns of the gate half (scale j) and the
 // same 128 columns of the up half (scale blocks + j), so a block never mixes
@@ -27,9 +30,13 @@
 #error "compile with -DSWIGLU_FP8_SAVED_X12=<0|1>"
 #endif
 
+#ifndef SWIGLU_FP8_LANE_PACKS
+#error "compile with -DSWIGLU_FP8_LANE_PACKS=<packs per lane>"
+#endif
+
 #define SWIGLU_FP8_BLOCK 128
-#define SWIGLU_FP8_COLS SWIGLU_VEC_WIDTH                       // columns per lane
-#define SWIGLU_FP8_LANES (SWIGLU_FP8_BLOCK / SWIGLU_FP8_COLS)  // lanes per block
+#define SWIGLU_FP8_COLS (SWIGLU_VEC_WIDTH * SWIGLU_FP8_LANE_PACKS)  // columns per lane
+#define SWIGLU_FP8_LANES (SWIGLU_FP8_BLOCK / SWIGLU_FP8_COLS)       // lanes per block
 
 __device__ __forceinline__ float to_float(scalar_t v) { return (float)to_acc(v); }
 
@@ -66,129 +73,105 @@ __device__ __forceinline__ float block_amax(float m) {
     return m;
 }
 
-// Block-relative column of a lane's element k (k < COLS). The 16-byte form
-// (N > 1): COLS l + k, all in the block or none (n is then a multiple of
-// COLS). The other: l + LANES k for halves; for pairs (gate and up side by
-// side) the pairs l + LANES j, i.e. columns 2 (l + LANES (k / 2)) + k % 2.
-template <int N, bool PAIRS> __device__ __forceinline__ int lane_column(int lane, int k) {
-    if (N > 1) return SWIGLU_FP8_COLS * lane + k;
+// Block-relative column of a lane's element k (k < COLS) in the any-alignment
+// form (N = 1): l + LANES k for halves; for pairs (gate and up side by side)
+// the pairs l + LANES j, i.e. columns 2 (l + LANES (k / 2)) + k % 2.
+template <bool PAIRS> __device__ __forceinline__ int lane_column(int lane, int k) {
     return PAIRS ? 2 * (lane + SWIGLU_FP8_LANES * (k >> 1)) + (k & 1) : lane + SWIGLU_FP8_LANES * k;
 }
 
-// K values of one row segment at lane_column-like places: the 16-byte form
-// (N > 1) reads [K l, K l + K) as one pack; the other reads l + LANES k.
-// K = COLS (a halves lane, or an x12 pairs lane) or COLS / 2 (h and dh of a
-// pairs lane: h column j of pair j). Absent values are 0.
-template <int N, int K> __device__ __forceinline__ void load_values(const scalar_t* base, int lane, int n,
-                                                                    float (&v)[K]) {
-    if constexpr (N > 1) {
-        const bool in = K * lane < n;
-        Pack<K> pack{};
-        if (in) pack = load_pack<K>(base + K * lane);
+// The 16-byte form's pieces: a lane's K values of a row segment come as
+// LANE_PACKS pieces of S = K / LANE_PACKS, piece p at S (l + LANES p); each
+// piece lies wholly in the segment or wholly past its n columns (n, H and
+// the pieces are multiples of S).
+template <int K> __device__ __forceinline__ int piece_start(int lane, int p) {
+    return K / SWIGLU_FP8_LANE_PACKS * (lane + SWIGLU_FP8_LANES * p);
+}
+
+// The 16-byte form's K values of one row segment, in storage precision
+// (converted where used: a lane's values held as floats spilled at the 64
+// registers SwiGLU's 8-bit kernels had), every piece read before any is
+// used. K = COLS (a halves lane, or an x12 pairs lane) or COLS / 2 (h and
+// dh of a pairs lane: h column j of pair j). Absent values are 0.
+template <int K> __device__ __forceinline__ void load_values(const scalar_t* base, int lane, int n, Pack<K>& v) {
+    constexpr int S = K / SWIGLU_FP8_LANE_PACKS;
 #pragma unroll
-        for (int k = 0; k < K; ++k) v[k] = in ? to_float(pack.v[k]) : 0.0f;
-    } else {
+    for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+        const int start = piece_start<K>(lane, p);
+        Pack<S> piece{};
+        if (start < n) piece = load_pack<S>(base + start);
 #pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int col = lane + SWIGLU_FP8_LANES * k;
-            v[k] = col < n ? to_float(base[col]) : 0.0f;
+        for (int k = 0; k < S; ++k) v.v[S * p + k] = piece.v[k];
+    }
+}
+
+template <int K> __device__ __forceinline__ void store_values(scalar_t* base, int lane, int n, const Pack<K>& v) {
+    constexpr int S = K / SWIGLU_FP8_LANE_PACKS;
+#pragma unroll
+    for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+        const int start = piece_start<K>(lane, p);
+        if (start < n) {
+            Pack<S> piece;
+#pragma unroll
+            for (int k = 0; k < S; ++k) piece.v[k] = v.v[S * p + k];
+            store_pack<S>(base + start, piece);
         }
     }
 }
 
-// (The values arrive rounded to storage where they are computed: fewer live
-// registers than fp32 ones, which spilled the clamped GELUs' kernels.)
-template <int N, int K> __device__ __forceinline__ void store_values(scalar_t* base, int lane, int n,
-                                                                     const Pack<K>& v) {
-    if constexpr (N > 1) {
-        if (K * lane < n) store_pack<K>(base + K * lane, v);
-    } else {
+// The 16-byte form's COLS values quantized to a lane's columns of a q row
+// segment: each piece's S codes as S / 4 4-byte words (q rows are 4-byte
+// aligned).
+__device__ __forceinline__ void store_codes(unsigned char* base, int lane, int n, const E4m3Quantizer& quantize,
+                                            const Pack<SWIGLU_FP8_COLS>& v) {
+    constexpr int S = SWIGLU_FP8_COLS / SWIGLU_FP8_LANE_PACKS;
 #pragma unroll
-        for (int k = 0; k < K; ++k)
-            if (lane + SWIGLU_FP8_LANES * k < n) base[lane + SWIGLU_FP8_LANES * k] = v.v[k];
-    }
-}
-
-// A pairs lane's COLS x12 values (the any-alignment form: pairs l + LANES j).
-template <int N> __device__ __forceinline__ void load_pairs(const scalar_t* base, int lane, int n,
-                                                           float (&v)[SWIGLU_FP8_COLS]) {
-    if constexpr (N > 1) {
-        load_values<N, SWIGLU_FP8_COLS>(base, lane, n, v);
-    } else {
+    for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+        const int start = piece_start<SWIGLU_FP8_COLS>(lane, p);
+        unsigned int pairs[S / 2];
 #pragma unroll
-        for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
-            const int col = lane_column<N, true>(lane, k);
-            v[k] = col < n ? to_float(base[col]) : 0.0f;
+        for (int j = 0; j < S / 2; ++j)
+            pairs[j] = e4m3x2_from_floats(quantize.quotient(to_float(v.v[S * p + 2 * j])),
+                                          quantize.quotient(to_float(v.v[S * p + 2 * j + 1])));
+        if (start < n) {
+#pragma unroll
+            for (int w = 0; w < S / 4; ++w)
+                *reinterpret_cast<unsigned int*>(base + start + 4 * w) = pairs[2 * w] | (pairs[2 * w + 1] << 16);
         }
     }
 }
 
-template <int N> __device__ __forceinline__ void store_pairs(scalar_t* base, int lane, int n,
-                                                            const Pack<SWIGLU_FP8_COLS>& v) {
-    if constexpr (N > 1) {
-        store_values<N, SWIGLU_FP8_COLS>(base, lane, n, v);
-    } else {
+// One code of the any-alignment form (the pair's high half unused).
+__device__ __forceinline__ unsigned char e4m3_code(const E4m3Quantizer& quantize, float v) {
+    return (unsigned char)e4m3x2_from_floats(quantize.quotient(v), 0.0f);
+}
+
+// The 16-byte form's codes of a q row segment as words (absent ones 0),
+// all read before any is decoded; word w holds the lane's codes 4 w .. 4 w + 3.
+__device__ __forceinline__ void load_code_words(const unsigned char* base, int lane, int n,
+                                                unsigned int (&words)[SWIGLU_FP8_COLS / 4]) {
+    constexpr int S = SWIGLU_FP8_COLS / SWIGLU_FP8_LANE_PACKS;
 #pragma unroll
-        for (int k = 0; k < SWIGLU_FP8_COLS; ++k)
-            if (lane_column<N, true>(lane, k) < n) base[lane_column<N, true>(lane, k)] = v.v[k];
+    for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+        const int start = piece_start<SWIGLU_FP8_COLS>(lane, p);
+#pragma unroll
+        for (int w = 0; w < S / 4; ++w)
+            words[S / 4 * p + w] = start < n ? *reinterpret_cast<const unsigned int*>(base + start + 4 * w) : 0u;
     }
 }
 
-// A lane's COLS values quantized to its columns of a q row segment: in the
-// 16-byte form COLS bytes as 4-byte words (q rows are 4-byte aligned).
-template <int N, bool PAIRS> __device__ __forceinline__ void store_codes(
-    unsigned char* base, int lane, int n, const E4m3Quantizer& quantize, const float (&v)[SWIGLU_FP8_COLS]) {
-    if constexpr (N > 1) {
-        unsigned int pairs[SWIGLU_FP8_COLS / 2];
-#pragma unroll
-        for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j)
-            pairs[j] = e4m3x2_from_floats(quantize.quotient(v[2 * j]), quantize.quotient(v[2 * j + 1]));
-        if (SWIGLU_FP8_COLS * lane < n) {
-#pragma unroll
-            for (int w = 0; w < SWIGLU_FP8_COLS / 4; ++w)
-                *reinterpret_cast<unsigned int*>(base + SWIGLU_FP8_COLS * lane + 4 * w) =
-                    pairs[2 * w] | (pairs[2 * w + 1] << 16);
-        }
-    } else {
-#pragma unroll
-        for (int k = 0; k < SWIGLU_FP8_COLS; ++k)  // one at a time: a lane's codes held together spilled
-            if (lane_column<N, PAIRS>(lane, k) < n)
-                base[lane_column<N, PAIRS>(lane, k)] = (unsigned char)e4m3x2_from_floats(quantize.quotient(v[k]), 0.0f);
-    }
+// A lane's codes 2 j and 2 j + 1 (of load_code_words), decoded and scaled.
+__device__ __forceinline__ void decode_pair(const unsigned int (&words)[SWIGLU_FP8_COLS / 4], int j, float scale,
+                                            float& lo, float& hi) {
+    floats_from_e4m3x2(j & 1 ? words[j >> 1] >> 16 : words[j >> 1] & 0xFFFFu, lo, hi);
+    lo *= scale;
+    hi *= scale;
 }
 
-// A lane's COLS codes of a q row segment, decoded and scaled (absent ones 0).
-template <int N, bool PAIRS> __device__ __forceinline__ void load_codes(
-    const unsigned char* base, int lane, int n, float scale, float (&out)[SWIGLU_FP8_COLS]) {
-    unsigned int pairs[SWIGLU_FP8_COLS / 2];
-    if constexpr (N > 1) {
-        const bool in = SWIGLU_FP8_COLS * lane < n;
-#pragma unroll
-        for (int w = 0; w < SWIGLU_FP8_COLS / 4; ++w) {
-            const unsigned int word =
-                in ? *reinterpret_cast<const unsigned int*>(base + SWIGLU_FP8_COLS * lane + 4 * w) : 0u;
-            pairs[2 * w] = word & 0xFFFFu;
-            pairs[2 * w + 1] = word >> 16;
-        }
-    } else {
-#pragma unroll
-        for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j) {
-            const int c0 = lane_column<N, PAIRS>(lane, 2 * j), c1 = lane_column<N, PAIRS>(lane, 2 * j + 1);
-            pairs[j] = (c0 < n ? base[c0] : 0u) | ((c1 < n ? (unsigned int)base[c1] : 0u) << 8);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j) {
-        floats_from_e4m3x2(pairs[j], out[2 * j], out[2 * j + 1]);
-        out[2 * j] *= scale;
-        out[2 * j + 1] *= scale;
-    }
-}
-
-__device__ __forceinline__ float lanes_amax(const float (&v)[SWIGLU_FP8_COLS]) {
+template <int K> __device__ __forceinline__ float lanes_amax(const Pack<K>& v) {
     float m = 0.0f;
 #pragma unroll
-    for (int k = 0; k < SWIGLU_FP8_COLS; ++k) m = nan_max_abs(m, v[k]);
+    for (int k = 0; k < K; ++k) m = nan_max_abs(m, to_float(v.v[k]));
     return block_amax(m);
 }
 
@@ -198,20 +181,51 @@ __device__ __forceinline__ void glu_forward_fp8_halves(
     index_t M, index_t H, index_t ld_gate, index_t ld_up, index_t ld_h, index_t ld_q, index_t ld_scales,
     const GluParams prm) {
     for_each_fp8_block<PACKS>(M, H, [&](index_t row, index_t block, index_t blocks, index_t c0, int n, int lane) {
-        float g[SWIGLU_FP8_COLS], u[SWIGLU_FP8_COLS];
-        load_values<N, SWIGLU_FP8_COLS>(gate + row * ld_gate + c0, lane, n, g);
-        load_values<N, SWIGLU_FP8_COLS>(up + row * ld_up + c0, lane, n, u);
-        const float scale_g = fp8_block_scale(lanes_amax(g)), scale_u = fp8_block_scale(lanes_amax(u));
-        if (lane == 0 && n > 0) {
-            scales[row * ld_scales + block] = scale_g;
-            scales[row * ld_scales + blocks + block] = scale_u;
-        }
-        Pack<SWIGLU_FP8_COLS> hv;
+        const scalar_t* gate_row = gate + row * ld_gate + c0;
+        const scalar_t* up_row = up + row * ld_up + c0;
+        if constexpr (N == 1) {  // two passes (amaxes, then the rest): a lane's values held across both spilled
+            float mg = 0.0f, mu = 0.0f;
 #pragma unroll
-        for (int k = 0; k < SWIGLU_FP8_COLS; ++k) hv.v[k] = from_acc<scalar_t>(GLU::forward((acc_t)g[k], (acc_t)u[k], prm));
-        store_values<N, SWIGLU_FP8_COLS>(h + row * ld_h + c0, lane, n, hv);
-        store_codes<N, false>(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale_g), g);
-        store_codes<N, false>(q + row * ld_q + H + c0, lane, n, E4m3Quantizer(scale_u), u);
+            for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
+                const int col = lane_column<false>(lane, k);
+                if (col < n) {
+                    mg = nan_max_abs(mg, to_float(gate_row[col]));
+                    mu = nan_max_abs(mu, to_float(up_row[col]));
+                }
+            }
+            const float scale_g = fp8_block_scale(block_amax(mg)), scale_u = fp8_block_scale(block_amax(mu));
+            if (lane == 0 && n > 0) {
+                scales[row * ld_scales + block] = scale_g;
+                scales[row * ld_scales + blocks + block] = scale_u;
+            }
+            const E4m3Quantizer quantize_g(scale_g), quantize_u(scale_u);
+            unsigned char* q_row = q + row * ld_q + c0;
+#pragma unroll 1  // rolled: unrolled, the compiler keeps the first pass's loads in registers instead
+            for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
+                const int col = lane_column<false>(lane, k);
+                if (col >= n) break;  // later columns lie further right
+                const float g = to_float(gate_row[col]), u = to_float(up_row[col]);
+                h[row * ld_h + c0 + col] = from_acc<scalar_t>(GLU::forward((acc_t)g, (acc_t)u, prm));
+                q_row[col] = e4m3_code(quantize_g, g);
+                q_row[H + col] = e4m3_code(quantize_u, u);
+            }
+        } else {  // the 16-byte form: every load first
+            Pack<SWIGLU_FP8_COLS> g, u;
+            load_values<SWIGLU_FP8_COLS>(gate_row, lane, n, g);
+            load_values<SWIGLU_FP8_COLS>(up_row, lane, n, u);
+            const float scale_g = fp8_block_scale(lanes_amax(g)), scale_u = fp8_block_scale(lanes_amax(u));
+            if (lane == 0 && n > 0) {
+                scales[row * ld_scales + block] = scale_g;
+                scales[row * ld_scales + blocks + block] = scale_u;
+            }
+            Pack<SWIGLU_FP8_COLS> hv;
+#pragma unroll
+            for (int k = 0; k < SWIGLU_FP8_COLS; ++k)
+                hv.v[k] = from_acc<scalar_t>(GLU::forward(to_acc(g.v[k]), to_acc(u.v[k]), prm));
+            store_values<SWIGLU_FP8_COLS>(h + row * ld_h + c0, lane, n, hv);
+            store_codes(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale_g), g);
+            store_codes(q + row * ld_q + H + c0, lane, n, E4m3Quantizer(scale_u), u);
+        }
     });
 }
 
@@ -221,16 +235,39 @@ __device__ __forceinline__ void glu_forward_fp8_pairs(
     index_t ld_x12, index_t ld_h, index_t ld_q, index_t ld_scales, const GluParams prm) {
     // n is even: 2H columns in blocks of 128.
     for_each_fp8_block<PACKS>(M, 2 * H, [&](index_t row, index_t block, index_t, index_t c0, int n, int lane) {
-        float x[SWIGLU_FP8_COLS];
-        load_pairs<N>(x12 + row * ld_x12 + c0, lane, n, x);
-        const float scale = fp8_block_scale(lanes_amax(x));
-        if (lane == 0 && n > 0) scales[row * ld_scales + block] = scale;
-        Pack<SWIGLU_FP8_COLS / 2> hv;
+        const scalar_t* x_row = x12 + row * ld_x12 + c0;
+        if constexpr (N == 1) {  // two passes, as the halves' form
+            float m = 0.0f;
 #pragma unroll
-        for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j)
-            hv.v[j] = from_acc<scalar_t>(GLU::forward((acc_t)x[2 * j], (acc_t)x[2 * j + 1], prm));
-        store_values<N, SWIGLU_FP8_COLS / 2>(h + row * ld_h + c0 / 2, lane, n / 2, hv);
-        store_codes<N, true>(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale), x);
+            for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
+                const int col = lane_column<true>(lane, k);
+                if (col < n) m = nan_max_abs(m, to_float(x_row[col]));
+            }
+            const float scale = fp8_block_scale(block_amax(m));
+            if (lane == 0 && n > 0) scales[row * ld_scales + block] = scale;
+            const E4m3Quantizer quantize(scale);
+            unsigned char* q_row = q + row * ld_q + c0;
+#pragma unroll 1  // rolled, as the halves' form
+            for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j) {
+                const int col = lane_column<true>(lane, 2 * j);  // the gate of a pair; its up is next
+                if (col >= n) break;
+                const float g = to_float(x_row[col]), u = to_float(x_row[col + 1]);
+                h[row * ld_h + (c0 + col) / 2] = from_acc<scalar_t>(GLU::forward((acc_t)g, (acc_t)u, prm));
+                q_row[col] = e4m3_code(quantize, g);
+                q_row[col + 1] = e4m3_code(quantize, u);
+            }
+        } else {  // the 16-byte form: every load first
+            Pack<SWIGLU_FP8_COLS> x;
+            load_values<SWIGLU_FP8_COLS>(x_row, lane, n, x);
+            const float scale = fp8_block_scale(lanes_amax(x));
+            if (lane == 0 && n > 0) scales[row * ld_scales + block] = scale;
+            Pack<SWIGLU_FP8_COLS / 2> hv;
+#pragma unroll
+            for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j)
+                hv.v[j] = from_acc<scalar_t>(GLU::forward(to_acc(x.v[2 * j]), to_acc(x.v[2 * j + 1]), prm));
+            store_values<SWIGLU_FP8_COLS / 2>(h + row * ld_h + c0 / 2, lane, n / 2, hv);
+            store_codes(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale), x);
+        }
     });
 }
 
@@ -242,12 +279,12 @@ __device__ __forceinline__ void glu_backward_fp8_halves(
     for_each_fp8_block<PACKS>(M, H, [&](index_t row, index_t block, index_t blocks, index_t c0, int n, int lane) {
         const float scale_g = n > 0 ? scales[row * ld_scales + block] : 0.0f;
         const float scale_u = n > 0 ? scales[row * ld_scales + blocks + block] : 0.0f;
+        const unsigned char* q_gate = q + row * ld_q + c0;
+        const unsigned char* q_up = q_gate + H;
         if constexpr (N == 1) {  // one element at a time: holding a lane's 8 x 6 values spilled
-            const unsigned char* q_gate = q + row * ld_q + c0;
-            const unsigned char* q_up = q_gate + H;
 #pragma unroll
             for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
-                const int col = lane_column<N, false>(lane, k);
+                const int col = lane_column<false>(lane, k);
                 if (col >= n) break;  // later columns lie further right
                 acc_t hv, dg, du;
                 GLU::backward((acc_t)(float_from_e4m3(q_gate[col]) * scale_g),
@@ -257,24 +294,37 @@ __device__ __forceinline__ void glu_backward_fp8_halves(
                 dup[row * ld_dup + c0 + col] = from_acc<scalar_t>(du);
                 h[row * ld_h + c0 + col] = from_acc<scalar_t>(hv);
             }
-            return;
-        }
-        float g[SWIGLU_FP8_COLS], u[SWIGLU_FP8_COLS], d[SWIGLU_FP8_COLS];
-        load_codes<N, false>(q + row * ld_q + c0, lane, n, scale_g, g);
-        load_codes<N, false>(q + row * ld_q + H + c0, lane, n, scale_u, u);
-        load_values<N, SWIGLU_FP8_COLS>(dh + row * ld_dh + c0, lane, n, d);
-        Pack<SWIGLU_FP8_COLS> hv, dg, du;
+        } else {  // every load first, then piece by piece (a piece's values live only there)
+            constexpr int S = SWIGLU_FP8_COLS / SWIGLU_FP8_LANE_PACKS;
+            unsigned int gw[SWIGLU_FP8_COLS / 4], uw[SWIGLU_FP8_COLS / 4];
+            load_code_words(q_gate, lane, n, gw);
+            load_code_words(q_up, lane, n, uw);
+            Pack<SWIGLU_FP8_COLS> d;
+            load_values<SWIGLU_FP8_COLS>(dh + row * ld_dh + c0, lane, n, d);
 #pragma unroll
-        for (int k = 0; k < SWIGLU_FP8_COLS; ++k) {
-            acc_t hk, dgk, duk;
-            GLU::backward((acc_t)g[k], (acc_t)u[k], (acc_t)d[k], prm, hk, dgk, duk);
-            hv.v[k] = from_acc<scalar_t>(hk);
-            dg.v[k] = from_acc<scalar_t>(dgk);
-            du.v[k] = from_acc<scalar_t>(duk);
+            for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+                const int start = piece_start<SWIGLU_FP8_COLS>(lane, p);
+                if (start >= n) break;  // later pieces lie further right
+                Pack<S> hv, dg, du;
+#pragma unroll
+                for (int j = 0; j < S / 2; ++j) {
+                    float g[2], u[2];
+                    decode_pair(gw, S / 2 * p + j, scale_g, g[0], g[1]);
+                    decode_pair(uw, S / 2 * p + j, scale_u, u[0], u[1]);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        acc_t hk, dgk, duk;
+                        GLU::backward((acc_t)g[i], (acc_t)u[i], to_acc(d.v[S * p + 2 * j + i]), prm, hk, dgk, duk);
+                        hv.v[2 * j + i] = from_acc<scalar_t>(hk);
+                        dg.v[2 * j + i] = from_acc<scalar_t>(dgk);
+                        du.v[2 * j + i] = from_acc<scalar_t>(duk);
+                    }
+                }
+                store_pack<S>(dgate + row * ld_dgate + c0 + start, dg);
+                store_pack<S>(dup + row * ld_dup + c0 + start, du);
+                store_pack<S>(h + row * ld_h + c0 + start, hv);
+            }
         }
-        store_values<N, SWIGLU_FP8_COLS>(dgate + row * ld_dgate + c0, lane, n, dg);
-        store_values<N, SWIGLU_FP8_COLS>(dup + row * ld_dup + c0, lane, n, du);
-        store_values<N, SWIGLU_FP8_COLS>(h + row * ld_h + c0, lane, n, hv);
     });
 }
 
@@ -285,11 +335,11 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
     const GluParams prm) {
     for_each_fp8_block<PACKS>(M, 2 * H, [&](index_t row, index_t block, index_t, index_t c0, int n, int lane) {
         const float scale = n > 0 ? scales[row * ld_scales + block] : 0.0f;
+        const unsigned char* q_row = q + row * ld_q + c0;
         if constexpr (N == 1) {  // one pair at a time, as the halves' form
-            const unsigned char* q_row = q + row * ld_q + c0;
 #pragma unroll
             for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j) {
-                const int col = lane_column<N, true>(lane, 2 * j);
+                const int col = lane_column<true>(lane, 2 * j);
                 if (col >= n) break;
                 const index_t h_col = (c0 + col) / 2;
                 acc_t hv, dg, du;
@@ -300,23 +350,32 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
                 dx12[row * ld_dx12 + 2 * h_col + 1] = from_acc<scalar_t>(du);
                 h[row * ld_h + h_col] = from_acc<scalar_t>(hv);
             }
-            return;
-        }
-        float x[SWIGLU_FP8_COLS], d[SWIGLU_FP8_COLS / 2];
-        load_codes<N, true>(q + row * ld_q + c0, lane, n, scale, x);
-        load_values<N, SWIGLU_FP8_COLS / 2>(dh + row * ld_dh + c0 / 2, lane, n / 2, d);
-        Pack<SWIGLU_FP8_COLS / 2> hv;
-        Pack<SWIGLU_FP8_COLS> dx;
+        } else {  // as the halves' form: x12 piece p holds the pairs of h piece p
+            constexpr int S = SWIGLU_FP8_COLS / SWIGLU_FP8_LANE_PACKS;
+            unsigned int xw[SWIGLU_FP8_COLS / 4];
+            load_code_words(q_row, lane, n, xw);
+            Pack<SWIGLU_FP8_COLS / 2> d;
+            load_values<SWIGLU_FP8_COLS / 2>(dh + row * ld_dh + c0 / 2, lane, n / 2, d);
 #pragma unroll
-        for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j) {
-            acc_t hj, dgj, duj;
-            GLU::backward((acc_t)x[2 * j], (acc_t)x[2 * j + 1], (acc_t)d[j], prm, hj, dgj, duj);
-            hv.v[j] = from_acc<scalar_t>(hj);
-            dx.v[2 * j] = from_acc<scalar_t>(dgj);
-            dx.v[2 * j + 1] = from_acc<scalar_t>(duj);
+            for (int p = 0; p < SWIGLU_FP8_LANE_PACKS; ++p) {
+                const int start = piece_start<SWIGLU_FP8_COLS>(lane, p);
+                if (start >= n) break;
+                Pack<S / 2> hv;
+                Pack<S> dx;
+#pragma unroll
+                for (int j = 0; j < S / 2; ++j) {
+                    float g, u;
+                    decode_pair(xw, S / 2 * p + j, scale, g, u);
+                    acc_t hj, dgj, duj;
+                    GLU::backward((acc_t)g, (acc_t)u, to_acc(d.v[S / 2 * p + j]), prm, hj, dgj, duj);
+                    hv.v[j] = from_acc<scalar_t>(hj);
+                    dx.v[2 * j] = from_acc<scalar_t>(dgj);
+                    dx.v[2 * j + 1] = from_acc<scalar_t>(duj);
+                }
+                store_pack<S>(dx12 + row * ld_dx12 + c0 + start, dx);
+                store_pack<S / 2>(h + row * ld_h + (c0 + start) / 2, hv);
+            }
         }
-        store_pairs<N>(dx12 + row * ld_dx12 + c0, lane, n, dx);
-        store_values<N, SWIGLU_FP8_COLS / 2>(h + row * ld_h + c0 / 2, lane, n / 2, hv);
     });
 }
 

@@ -17,7 +17,8 @@ in ``machine_code_known_failures.tsv`` beside this file: their tests are
 line is deleted. Nothing else may fail.
 
 Which modules: a small set by default (SwiGLU bf16 and fp32 for sm_90 and
-sm_100, the other SiLU variants bf16 for sm_90), the whole matrix when
+sm_100, the other SiLU variants bf16 for sm_90, the clamped ones fp32 for
+sm_100), the whole matrix when
 ``SWIGLU_COMPILE_MATRIX=full`` is set (minutes: ~390 CPU seconds of NVRTC,
 shared with test_compile_check.py in the same session). Planted kernels
 (a small .cu compiled through the same NVRTC path) show each check can fail.
@@ -33,7 +34,7 @@ import nvrtc_modules
 import pytest
 import torch
 
-from swiglu_cupy.kernels import compile_check, sass, sass_walk
+from swiglu_cupy.kernels import compile_check, sass, sass_walk, sources
 from swiglu_cupy.tools import machine_code as mc
 from swiglu_cupy.kernels.cuda_headers import cuda_tool
 from swiglu_cupy.kernels.sources import (DEFAULT_ARCHS, DEFAULT_VARIANT, SUPPORTED_DTYPES, VARIANTS, KernelVariant,
@@ -45,8 +46,10 @@ needs_cuobjdump = pytest.mark.skipif(not HAVE_CUOBJDUMP, reason="cuobjdump not i
 
 FULL = nvrtc_modules.matrix_setting() == "full"
 SILU_VARIANTS = tuple(v for v in VARIANTS if v.kind == "silu")
+# The clamped SiLUs' fp32 on sm_100 too: there NVVM once split their 16-byte gate loads.
 SUBSET = ([(DEFAULT_VARIANT, d, a) for a in ("sm_90", "sm_100") for d in (torch.bfloat16, torch.float32)]
-          + [(v, torch.bfloat16, "sm_90") for v in SILU_VARIANTS if v != DEFAULT_VARIANT])
+          + [(v, torch.bfloat16, "sm_90") for v in SILU_VARIANTS if v != DEFAULT_VARIANT]
+          + [(v, torch.float32, "sm_100") for v in SILU_VARIANTS if v.clamp])
 JOBS = ([(v, d, a) for a in DEFAULT_ARCHS for v in VARIANTS for d in SUPPORTED_DTYPES] if FULL else SUBSET)
 
 
@@ -196,17 +199,19 @@ def test_the_walk_is_faithful(job):
 
 @needs_cuobjdump
 def test_the_8bit_walk_covers_a_lanes_columns():
-    """A lane of the 8-bit kernels holds one 16-byte pack's columns of its
-    block (8 in bf16). In the 16-byte instances the walked lane touches the
-    model's bytes per element (its codes, h and dh, and the block's scales),
-    once, in 16-byte accesses and 4-byte code words, nothing narrower."""
+    """A lane of the 8-bit kernels holds FP8_LANE_PACKS (2) 16-byte packs'
+    columns of its block (16 in bf16). In the 16-byte instances the walked
+    lane touches the model's bytes per element (its codes, h and dh, and the
+    block's scales), once, in 16-byte accesses and 4-byte code words,
+    nothing narrower."""
     variant, dtype, arch = SUBSET[0]
+    assert sources.FP8_LANE_PACKS == 2
     for kernel, code in module_codes(SUBSET[0]).items():
         instance = mc.instance_of(kernel, variant)
         if kernel.endswith("_p1") and instance.fp8:
             assert code.walk_error is None, code.walk_error
-            assert mc.elements_per_thread(instance, dtype, variant) == 8, kernel   # per tile
-            assert code.elements % 8 == 0, kernel                                   # whole tiles walked
+            assert mc.elements_per_thread(instance, dtype, variant) == 16, kernel  # per tile
+            assert code.elements % 16 == 0, kernel                                  # whole tiles walked
             if instance.vectorized:
                 # lane 5 writes no scale (lane 0 does); each lane reads its block's scales (a cached 4 B each)
                 assert code.bytes_per_element - 1 / 16 <= code.walked_bytes_per_element <= code.bytes_per_element + 1

@@ -39,6 +39,9 @@ KERNEL_KINDS = ("swiglu_forward", "swiglu_backward")  # each defines GLU_<DIR>[_
 # The 8-bit saved x12's kernels (swiglu_fp8.cu: GLU_<DIR>_FP8[_PAIRS]_ENTRY); their "vec" instances
 # move 16-byte packs of x12, h and dh (and the codes as 4-byte words), the "scalar" ones one element.
 FP8_KERNEL_KINDS = ("swiglu_forward_fp8", "swiglu_backward_fp8")
+# 16-byte packs per lane of the 8-bit kernels' 128-column blocks (SWIGLU_FP8_LANE_PACKS): a
+# block's fixed work (amax shuffles, quantizer, index math) is shared by this many packs per lane.
+FP8_LANE_PACKS = 2
 
 CTYPE_OF_DTYPE = {
     torch.float16: "__half",
@@ -133,11 +136,11 @@ def variant_entries(variant: KernelVariant) -> str:
     # SwiGLU keeps ptxas's own register choice (as before the other variants
     # existed). The others allow up to 65536 / 512 registers: left to its
     # heuristic, ptxas capped some of them at 64 on sm_90 and spilled.
-    # SwiGLU's 8-bit saved x12's kernels ask for two resident blocks (<= 64 registers at 512
-    # threads; ptxas's own choice spilled one and took 68 registers for another); the other
-    # variants' take the others' rule (the clamped GELUs' spilled at 64).
+    # Every variant's 8-bit saved x12's kernels allow 65536 / 512 registers too: a lane holds
+    # FP8_LANE_PACKS packs of each operand, and SwiGLU's spilled when held to 64 (two resident
+    # 512-thread blocks). A warp's bytes in flight grew with its registers.
     min_blocks = "" if variant == DEFAULT_VARIANT else ", 1"
-    fp8_min_blocks = ", 2" if variant == DEFAULT_VARIANT else ", 1"
+    fp8_min_blocks = ", 1"
     lines = [f"typedef Glu<{_ACT_FUNCTOR[variant.kind]}, {'true' if variant.clamp else 'false'}> {functor};"]
     for kind, vectorized, packs in _instances():
         width = "SWIGLU_VEC_WIDTH" if vectorized else "1"
@@ -224,9 +227,16 @@ def variant_of_kernel(name: str) -> KernelVariant:
 def compile_options(dtype: torch.dtype) -> tuple[str, ...]:
     """NVRTC options for one storage dtype (the arch is added by the caller)."""
     return ("--std=c++17", f"-DSWIGLU_MAX_THREADS_PER_BLOCK={MAX_THREADS_PER_BLOCK}",
-            f"-DSWIGLU_FP8_SAVED_X12={int(builds_fp8_kernels(dtype))}", f"-DSWIGLU_SCALAR={CTYPE_OF_DTYPE[dtype]}")
+            f"-DSWIGLU_FP8_SAVED_X12={int(builds_fp8_kernels(dtype))}", f"-DSWIGLU_FP8_LANE_PACKS={FP8_LANE_PACKS}",
+            f"-DSWIGLU_SCALAR={CTYPE_OF_DTYPE[dtype]}")
 
 
 def vector_width(dtype: torch.dtype) -> int:
     """Elements per 16-byte access, as SWIGLU_VEC_WIDTH in the kernels."""
     return 16 // dtype.itemsize
+
+
+def fp8_lane_columns(dtype: torch.dtype) -> int:
+    """Columns of a 128-column block one lane of the 8-bit kernels holds
+    (SWIGLU_FP8_COLS): ``FP8_LANE_PACKS`` 16-byte packs."""
+    return vector_width(dtype) * FP8_LANE_PACKS

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..kernels.launch import cupy_launcher, device_index, i64, pointer
-from ..kernels.sources import kernel_name, kernel_variant, max_threads_per_block, vector_width
+from ..kernels.sources import fp8_lane_columns, kernel_name, kernel_variant, max_threads_per_block, vector_width
 from .. import _torch_compat
 from .._validation import check_fp8_compute_dtype
 from ..activations import SILU, GLUActivation
@@ -350,8 +350,9 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
 
 def fp8_launch_columns(H: int, activation: GLUActivation, dtype: torch.dtype) -> int:
     """The lane slots the 8-bit saved x12's kernels spread over threads, per
-    row: 128 / vec lanes per block of a row (halves: per gate block; its
-    lanes also take the up block beside it), rounded up to whole warps."""
+    row: 128 / ``fp8_lane_columns`` lanes per block of a row (halves: per
+    gate block; its lanes also take the up block beside it), rounded up to
+    whole warps."""
     blocks = saved_x12.scale_blocks(H, activation.interleaved)
-    lanes = saved_x12.BLOCK // vector_width(dtype)
+    lanes = saved_x12.BLOCK // fp8_lane_columns(dtype)
     return -(-lanes * (blocks if activation.interleaved else blocks // 2) // 32) * 32

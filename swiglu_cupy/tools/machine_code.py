@@ -16,8 +16,8 @@ Every instruction on the path counts, predicated or not; the encoders and
 quantizers of the 8-bit kernels have no data-dependent branch, so their
 whole cost counts. The walked thread is lane 5 of an in-bounds warp of an
 [8, 65536] problem (``launch_for``). Then, per element (the thread's tile:
-pack width N x packs per thread; an 8-bit lane's N columns of its block,
-N / 2 h columns when interleaved)::
+pack width N x packs per thread; an 8-bit lane's ``fp8_lane_columns``
+columns of its block, half that many h columns when interleaved)::
 
     issue time  = instr_per_elem / 32 / (SMs * 4 * clock)     4 schedulers, 1 warp instruction/clock each
     MUFU time   = mufu_per_elem / (SMs * 16 * clock)          16 MUFU lanes/clock/SM
@@ -59,7 +59,7 @@ import torch
 
 from ..kernels import sass
 from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
-from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, kernel_name,
+from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, fp8_lane_columns, kernel_name,
                       vector_width)
 from ..kernels.launch_config import DEFAULT_LAUNCH, GRID_WAVES, PACKS_PER_THREAD, LaunchConfig
 
@@ -147,8 +147,8 @@ def bytes_per_element(instance: Instance, dtype: torch.dtype) -> float:
 
 def elements_per_thread(instance: Instance, dtype: torch.dtype, variant: KernelVariant) -> int:
     """h elements one thread's tile holds."""
-    if instance.fp8:  # a lane holds vec x12 columns of a block (of each half: vec h columns)
-        per_lane = vector_width(dtype) // 2 if variant.interleaved else vector_width(dtype)
+    if instance.fp8:  # a lane holds fp8_lane_columns x12 columns of a block (of each half: as many h columns)
+        per_lane = fp8_lane_columns(dtype) // (2 if variant.interleaved else 1)
         return per_lane * instance.packs
     return (vector_width(dtype) if instance.vectorized else 1) * instance.packs
 
