@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.nn.modules import module as _nn_module  # its global hook registries (read per patched call)
 
 
 def _private(owner, name: str, fallback, consequence: str):
@@ -106,10 +107,8 @@ def dispatch_mode_base():
 # If they go: the fused path would run even with global hooks registered,
 # and those hooks would miss the projection calls.
 def global_module_hooks_active() -> bool:
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_forward_pre_hooks or nn_module._global_forward_hooks
-                or nn_module._global_backward_pre_hooks or nn_module._global_backward_hooks)
+    return bool(_nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
+                or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)
 
 
 # ---- torch's clamp gradient at the bounds ---------------------------------------------------
