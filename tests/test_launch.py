@@ -95,7 +95,7 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     assert launch[5].ptr == 1234
     assert ("device", 1) in fake.calls
     assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_FP8_SAVED_X12=1",
-                       "-DSWIGLU_SCALAR=float")) in fake.calls
+                       "-DSWIGLU_FP8_LANE_PACKS=2", "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
 def test_launch_on_the_current_device_enters_no_device_context(monkeypatch):

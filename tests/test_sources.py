@@ -87,3 +87,6 @@ def test_options_differ_per_dtype_and_vector_widths():
         torch.float16: True, torch.bfloat16: True, torch.float32: True, torch.float64: False}
     assert all(("-DSWIGLU_FP8_SAVED_X12=0" in o) != ("-DSWIGLU_FP8_SAVED_X12=1" in o) for o in opts.values())
     assert [_sources.vector_width(d) for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)] == [8, 8, 4, 2]
+    # The 8-bit kernels' lane geometry reaches NVRTC and g++ from the one constant the host counts lanes by.
+    assert all(f"-DSWIGLU_FP8_LANE_PACKS={_sources.FP8_LANE_PACKS}" in o for o in opts.values())
+    assert [_sources.fp8_lane_columns(d) for d in (torch.float16, torch.bfloat16, torch.float32)] == [16, 16, 8]
