@@ -59,8 +59,8 @@ import torch
 
 from ..kernels import sass
 from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
-from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, fp8_lane_columns, kernel_name,
-                      vector_width)
+from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, fp8_lane_columns,
+                               kernel_name, vector_width)
 from ..kernels.launch_config import DEFAULT_LAUNCH, GRID_WAVES, PACKS_PER_THREAD, LaunchConfig
 
 
