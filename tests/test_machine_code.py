@@ -388,6 +388,35 @@ def test_sm80_loop_exit_call_is_a_jump_not_a_call():
     assert trace.counts[0x10] == 3 and trace.counts[0x60] == 1 and trace.calls == 0
 
 
+def _sm80_shuffle_loop(fallback_jumps_back: bool) -> sass.SassFunction:
+    """A loop whose shuffle has ptxas's sm_80 divergence path: ``BRA.DIV`` to
+    code after EXIT that CALLs a WARPSYNC + SHFL subroutine and jumps back
+    into the loop (or, with ``fallback_jumps_back`` False, the same CALL
+    planted in the loop itself)."""
+    loop = [(0x00, "S2R R2, SR_TID.X"), (0x10, "BRA.DIV ~URZ, 0x80"), (0x20, "SHFL.BFLY PT, R3, R2, 0x1, 0x1f"),
+            (0x30, "STG.E [R4.64], R3"), (0x40, "IADD3 R2, R2, 0x1, RZ"), (0x50, "ISETP.GE.AND P0, PT, R2, 0x4, PT"),
+            (0x60, "@!P0 BRA 0x10"), (0x70, "EXIT")]
+    fallback = [(0x80, "MOV R4, 0xa0"), (0x90, "CALL.REL.NOINC 0xc0"), (0xa0, "BRA 0x30"), (0xb0, "BRA 0xb0"),
+                (0xc0, "WARPSYNC R10"), (0xd0, "SHFL.BFLY PT, R8, R3, R8, R9"), (0xe0, "RET.REL.NODEC R4 0x0")]
+    if not fallback_jumps_back:
+        loop[2] = (0x20, "CALL.REL.NOINC 0xc0")
+    text = "\n".join(f"        /*{a:04x}*/ {t} ;" for a, t in loop + fallback)
+    return sass.parse_sass("\t.target sm_80\n\t\tFunction : k\n" + text)["k"]
+
+
+def test_divergence_path_call_is_not_in_the_hot_loop():
+    """sm_80: a warp not converged at a shuffle leaves through ``BRA.DIV``
+    for a CALLed WARPSYNC + SHFL and jumps back; a converged warp never
+    runs that path, and its jump back is no loop. The same CALL inside the
+    loop still counts."""
+    fn = _sm80_shuffle_loop(fallback_jumps_back=True)
+    assert 0x90 in fn.main_body and 0x90 not in fn.converged_body
+    assert fn.loops == [sass.Loop(0x10, 0x60)] and fn.hot_loops == [sass.Loop(0x10, 0x60)]
+    assert [i.address for i in fn.calls] == [0x90] and not fn.hot_loop_calls
+    planted = _sm80_shuffle_loop(fallback_jumps_back=False)
+    assert [i.address for i in planted.hot_loop_calls] == [0x20]
+
+
 ELF_TEXT = """
 .nv.info.k_demo
 	<0x1>

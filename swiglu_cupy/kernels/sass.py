@@ -222,6 +222,12 @@ class Instruction:
     def is_backward_branch(self) -> bool:
         return self.opcode in BRANCH_OPS and isinstance(self.target, int) and self.target <= self.address
 
+    @property
+    def is_divergence_test(self) -> bool:
+        """``BRA.DIV``: taken only when the warp is not converged here (the
+        out-of-line path ptxas emits for a ``.sync`` collective)."""
+        return self.opcode == "BRA" and "DIV" in self.modifiers
+
 
 _LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*(?:/\*.*\*/)?\s*$")
 _TEXT = re.compile(r"^(?:@(!?U?P(?:T|\d))\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)\s*(.*?)\s*;?$")
@@ -278,9 +284,10 @@ class SassFunction:
             raise SassError(f"{self.name}: no instruction at {address:#x}") from None
 
     # -- control structure --
-    def _reachable(self, starts, jump_calls: frozenset = frozenset()) -> set[int]:
+    def _reachable(self, starts, jump_calls: frozenset = frozenset(), converged: bool = False) -> set[int]:
         """Addresses reachable from ``starts`` following branches; a CALL falls
-        through, and also jumps when its target is in ``jump_calls``."""
+        through, and also jumps when its target is in ``jump_calls``;
+        ``converged``: a ``BRA.DIV`` is not followed (the warp is converged)."""
         seen: set[int] = set()
         work = [a for a in starts if a in self.by_address]
         while work:
@@ -292,7 +299,7 @@ class SassFunction:
             ins = self.instructions[i]
             unconditional = ins.predicate is None or ins.predicate == "PT"
             if (ins.opcode in BRANCH_OPS or (ins.is_call and ins.target in jump_calls)) \
-                    and isinstance(ins.target, int):
+                    and isinstance(ins.target, int) and not (converged and ins.is_divergence_test):
                 work.append(ins.target)
                 if ins.opcode in BRANCH_OPS and unconditional and len(ins.operands) == 1:
                     continue
@@ -313,12 +320,23 @@ class SassFunction:
                          if any(self.instructions[self.by_address[a]].opcode == "RET" for a in self._reachable([t])))
 
     @cached_property
+    def _loop_exit_calls(self) -> frozenset[int]:
+        return frozenset(i.target for i in self.instructions
+                         if i.is_call and isinstance(i.target, int) and i.target not in self.subroutine_entries)
+
+    @cached_property
     def main_body(self) -> frozenset[int]:
         """Addresses reachable from the entry without entering a subroutine
         (those ptxas appends after the kernel's EXIT are not in it)."""
-        jumps = frozenset(i.target for i in self.instructions
-                          if i.is_call and isinstance(i.target, int) and i.target not in self.subroutine_entries)
-        return frozenset(self._reachable([0], jumps))
+        return frozenset(self._reachable([0], self._loop_exit_calls))
+
+    @cached_property
+    def converged_body(self) -> frozenset[int]:
+        """``main_body`` as a converged warp runs it: without the code reached
+        only through ``BRA.DIV``, the out-of-line path of a warp that is not
+        converged at a ``.sync`` collective (on sm_80 ptxas calls a
+        WARPSYNC + SHFL subroutine there, and jumps back into the loop)."""
+        return frozenset(self._reachable([0], self._loop_exit_calls, converged=True))
 
     @cached_property
     def subroutines(self) -> frozenset[int]:
@@ -330,9 +348,10 @@ class SassFunction:
 
     @cached_property
     def loops(self) -> list[Loop]:
-        """One loop per backward branch of the kernel's own code, outermost first."""
+        """One loop per backward branch of the kernel's own code as a converged
+        warp runs it, outermost first (a divergence path's jump back is no loop)."""
         found = {Loop(ins.target, ins.address) for ins in self.instructions
-                 if ins.is_backward_branch and ins.address in self.main_body}
+                 if ins.is_backward_branch and ins.address in self.converged_body}
         return sorted(found, key=lambda loop: (-loop.span, loop.head))
 
     @cached_property
@@ -375,7 +394,9 @@ class SassFunction:
 
     @property
     def hot_loop_calls(self) -> list[Instruction]:
-        return [ins for ins in self.in_loops(self.hot_loops) if self.is_subroutine_call(ins)]
+        """Subroutine CALLs a converged warp makes in the hot loop."""
+        return [ins for ins in self.in_loops(self.hot_loops)
+                if self.is_subroutine_call(ins) and ins.address in self.converged_body]
 
     @property
     def hot_loop_accesses(self) -> list[Instruction]:
