@@ -78,7 +78,15 @@ def test_options_are_checked_once_and_reused():
     key = ("silu", True, False, None, True, False)
     first = api._OPTIONS[key]
     api.swiglu(x, w12, None, w3, None, recompute_gate_up=True)
-    assert api._OPTIONS[key] is first and first == SwiGLUOptions(SILU, recompute_gate_up=True)
+    assert api._OPTIONS[key] is first and first[1] == SwiGLUOptions(SILU, recompute_gate_up=True)
+    # A spec is keyed by identity, and the entry keeps it: an equal spec made anew gets its own
+    # entry with equal options, never another object's (a freed spec's id may be reused).
+    spec, twin = GLUActivation("gelu_tanh"), GLUActivation("gelu_tanh")
+    api.swiglu(x, w12, None, w3, None, activation=spec)
+    api.swiglu(x, w12, None, w3, None, activation=twin)
+    entries = [api._OPTIONS[(id(s), False, False, None, True, False)] for s in (spec, twin)]
+    assert entries[0][0] is spec and entries[1][0] is twin and entries[0][1] == entries[1][1]
+    assert entries[0][1].activation is spec
     for _ in range(2):
         with pytest.raises(TypeError, match="recompute_gate_up must be a bool"):
             api.swiglu(x, w12, None, w3, None, recompute_gate_up=1)

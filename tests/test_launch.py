@@ -381,3 +381,38 @@ def test_launch_plans_are_cached_by_identity_and_bounded():
         fresh = cuda_impl.launch_plan("swiglu_forward", GLUActivation("silu", limit=7.0), torch.bfloat16, config)
         assert fresh.names == plan.names and fresh.scalar_args == plan.scalar_args
     assert len(cuda_impl._PLANS) <= cuda_impl._MAX_PLANS
+
+
+def test_row_launches_cache_shape_arguments_and_still_check_each_pointer():
+    """A row launch's shape arguments, instance and grid are kept per (M, H,
+    row strides, device); each call's pointers still pick the instance (a
+    misaligned one: the 1-element instance) and travel as 64-bit values."""
+    import numpy as np
+
+    from swiglu_cupy.activations import SILU
+    from swiglu_cupy.primitives import cuda_impl
+
+    class Recording:
+        def __init__(self):
+            self.launches = []
+
+        def launch(self, name, dtype, device, grid, block, args):
+            self.launches.append((name, grid, block, args))
+
+    plan = cuda_impl.launch_plan("swiglu_forward", SILU, torch.float32, None)
+    recorder, cpu = Recording(), torch.empty(1)
+    plan.rows.clear()
+    for gate in (4096, 4100, 8192):  # aligned, misaligned, aligned again: one cached entry
+        plan.launch_rows(recorder, cpu, 3, 64, (gate, 65536, 131072), (128, 128, 64))
+    plan.launch_rows(recorder, cpu, 3, 64, (4096, 65536, 131072), (130, 128, 64))  # a stride of 130: never wide
+    plan.launch_rows(recorder, cpu, 0, 64, (4096, 65536, 131072), (128, 128, 64))  # nothing to do
+    names = [name for name, *_ in recorder.launches]
+    assert names == [plan.names[1], plan.names[0], plan.names[1], plan.names[0]]
+    assert len(plan.rows) == 2
+    first, misaligned = recorder.launches[0], recorder.launches[1]
+    assert [type(a) for a in first[3][:5]] == [np.uint64] * 3 + [np.int64] * 2
+    assert [int(a) for a in first[3][:8]] == [4096, 65536, 131072, 3, 64, 128, 128, 64]
+    sms = cuda_impl.sm_count(cpu.device) if plan.capped else 0
+    assert int(misaligned[3][0]) == 4100 and misaligned[1:3] == cuda_impl.launch_shape(3, 64, 1, plan.config, sms)
+    assert first[1:3] == cuda_impl.launch_shape(3, 64, plan.vec, plan.config, sms)
+    assert first[3][8:] == plan.scalar_args

@@ -67,10 +67,12 @@ def _with_path(options: SwiGLUOptions, path) -> SwiGLUOptions:
     return entry[2]
 
 
-#: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) -> options,
-#: for arguments already checked: a repeated eager call skips the checks. Only exact bools and
-#: None/"fp8" reach it (1 == True would otherwise share True's entry).
-_OPTIONS: dict[tuple, SwiGLUOptions] = {}
+#: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) ->
+#: (activation, options), for arguments already checked: a repeated eager call skips the checks.
+#: A spec is keyed by identity (hashing the dataclass is a Python call per call) and the entry
+#: holds it, so its id stays its own; a name by itself. Only exact bools and None/"fp8" reach it
+#: (1 == True would otherwise share True's entry). Bounded, like the other caches.
+_OPTIONS: dict[tuple, tuple] = {}
 
 
 def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
@@ -82,8 +84,11 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
     exact = (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
              and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
              and not torch.compiler.is_compiling())
-    key = (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only)
-    options = _OPTIONS.get(key) if exact and activation.__class__ in (str, GLUActivation) else None
+    named = activation.__class__ is str
+    key = (activation if named else id(activation), recompute_gate_up, inplace_backward, saved_x12,
+           tile_grads_fp32, halves_only)
+    entry = _OPTIONS.get(key) if exact and (named or activation.__class__ is GLUActivation) else None
+    options = entry[1] if entry is not None and (named or entry[0] is activation) else None
     if options is None:
         check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
                           tile_grads_fp32=tile_grads_fp32)
@@ -92,7 +97,9 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
                 else resolve_activation(activation))
         options = SwiGLUOptions(spec, recompute_gate_up, inplace_backward, fp8, tile_grads_fp32)
         if exact:
-            _OPTIONS[key] = options
+            if len(_OPTIONS) >= 1024:
+                _OPTIONS.clear()
+            _OPTIONS[key] = (activation, options)
     return options
 
 
@@ -137,9 +144,10 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     """``swiglu`` with separate gate (``w1 [H, D]``, ``b1``) and up (``w2``,
     ``b2``) projections: ``w3(silu(x @ w1.T + b1) * (x @ w2.T + b2)) + b3``.
 
-    The two GEMMs write the halves of one x12 buffer, so the weights are never
-    concatenated; the same Function, kernels and guarantees as ``swiglu``
-    (backward takes one GEMM more: dx is ``dgate @ w1 + dup @ w2``).
+    The weights are never concatenated: gate and up are two GEMMs whose
+    outputs the kernels read where they lie (the modes that need one x12
+    buffer write its halves); the same Function, kernels and guarantees as
+    ``swiglu`` (backward takes one GEMM more: dx is ``dgate @ w1 + dup @ w2``).
     ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
     have no interleaving).
     """

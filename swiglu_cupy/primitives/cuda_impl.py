@@ -103,27 +103,52 @@ class LaunchPlan:
     capped: bool                 # whether the grid needs the device's SM count
     #: (M, columns, vec, device) -> (grid, block): ``launch_shape``'s answers, bounded
     shapes: dict = dataclasses.field(default_factory=dict)
+    #: (M, H, row strides, device) -> (wide, narrow, tail) for ``launch_rows``: the (name, grid,
+    #: block) of the 16-byte instance (None where H or a stride forbids it) and of the
+    #: 1-element one, and the arguments after the pointers (numpy-typed once), bounded
+    rows: dict = dataclasses.field(default_factory=dict)
 
     def launch_rows(self, launcher, ref: torch.Tensor, M: int, H: int, pointers: tuple, strides: tuple) -> None:
         """A row kernel over [M, H]: arguments ``pointers..., M, H,
         strides...`` (element row strides; pointer 0 with stride 0 for an
         absent output). The 16-byte instance runs when H, every pointer and
         (past one row, which never steps) every row stride allow it."""
-        vec = self.vec
-        if H % vec:
-            vec = 1
-        else:
+        if M == 0 or H == 0:
+            return  # an empty grid is a CUDA launch error; there is nothing to do
+        device = ref.device
+        entry = self.rows.get((M, H, strides, device))
+        if entry is None:
+            entry = self._row_entry(M, H, strides, device)
+        wide, chosen, tail = entry
+        if wide is not None:
+            chosen = wide
             for p in pointers:
                 if p % 16:
-                    vec = 1
+                    chosen = entry[1]
                     break
-            if vec > 1 and M > 1:
-                for ld in strides:
-                    if ld % vec:
-                        vec = 1
-                        break
-        self.launch(launcher, ref, M, H, vec,
-                    (*map(_U64, pointers), _I64(M), _I64(H), *map(_I64, strides)))
+        name, grid, block = chosen
+        (launcher or cupy_launcher()).launch(name, ref.dtype, device, grid, block, (*map(_U64, pointers), *tail))
+
+    def _row_entry(self, M: int, H: int, strides: tuple, device: torch.device) -> tuple:
+        vec = self.vec
+        if H % vec or (M > 1 and any(ld % vec for ld in strides)):
+            vec = 1
+        wide = None if vec == 1 else (self.names[1], *self._shape(M, H, vec, device))
+        narrow = (self.names[0], *self._shape(M, H, 1, device))
+        if len(self.rows) >= 256:
+            self.rows.clear()
+        entry = self.rows[(M, H, strides, device)] = (
+            wide, narrow, (_I64(M), _I64(H), *map(_I64, strides), *self.scalar_args))
+        return entry
+
+    def _shape(self, M: int, columns: int, vec: int, device: torch.device) -> tuple:
+        shape = self.shapes.get((M, columns, vec, device))
+        if shape is None:
+            if len(self.shapes) >= 256:
+                self.shapes.clear()
+            shape = self.shapes[(M, columns, vec, device)] = launch_shape(
+                M, columns, vec, self.config, sm_count(device) if self.capped else 0)
+        return shape
 
     def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple,
                vectorized: bool | None = None) -> None:
@@ -133,13 +158,7 @@ class LaunchPlan:
         if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
         device = ref.device
-        shape = self.shapes.get((M, columns, vec, device))
-        if shape is None:
-            if len(self.shapes) >= 256:
-                self.shapes.clear()
-            shape = self.shapes[(M, columns, vec, device)] = launch_shape(
-                M, columns, vec, self.config, sm_count(device) if self.capped else 0)
-        grid, block = shape
+        grid, block = self._shape(M, columns, vec, device)
         (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], ref.dtype,
                                              device, grid, block, (*args, *self.scalar_args))
 
