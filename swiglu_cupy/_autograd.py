@@ -70,10 +70,10 @@ def under_autocast(device_type: str, tensors: list, run):
         return run(cast)
 
 
-def mark_saved_only(ctx, output: torch.Tensor) -> None:
-    """``output`` is returned only so that ``setup_context`` may save it
-    (torch.func requires saved tensors to be inputs or outputs): it is not
-    differentiable, and no zero gradient is materialised for it (without
-    this, every backward would first fill a tensor of its size with zeros)."""
-    ctx.mark_non_differentiable(output)
+def mark_saved_only(ctx, *outputs: torch.Tensor) -> None:
+    """``outputs`` are returned only so that ``setup_context`` may save them
+    (torch.func requires saved tensors to be inputs or outputs): they are not
+    differentiable, and no zero gradient is materialised for them (without
+    this, every backward would first fill a tensor of their size with zeros)."""
+    ctx.mark_non_differentiable(*outputs)
     ctx.set_materialize_grads(False)

@@ -12,8 +12,8 @@ its clamps, and with ``interleaved`` the rows of w12 (and columns of x12)
 alternate gate/up: ``[g0, u0, g1, u1, ...]``.
 
 ``SwiGLUFunction`` is only ever called through ``.apply()``: its forward
-always saves the same tensors (x, w12, w3 and x12, never h), whatever
-requires grad, so activation checkpointing in both modes sees identical
+always saves the same tensors (x, w12, w3 and x12 -- or gate and up apart --,
+never h), whatever requires grad, so activation checkpointing in both modes sees identical
 forwards (the bug that broke xformers' fused op). The arguments were
 validated once by the public API (``api.py``); nothing here checks them.
 """
@@ -63,7 +63,8 @@ class SwiGLUFunction(LeanApplyFunction):
 
     ``apply(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows) -> (y, x12)``
     (all ten positional and required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
-    and return ``y``):
+    and return ``y``; with ``options.path`` set and separate weights: ``(y, gate, up)``, see
+    :func:`swiglu_forward_pass`):
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
       and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
     - ``options``: a :class:`SwiGLUOptions`, the call's settings, decided once
@@ -97,12 +98,13 @@ class SwiGLUFunction(LeanApplyFunction):
     def forward(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
         path = options.path  # decided by the API for this call: eager, so out= buffers are fine
         return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference,
-                                   path is None and _gemm.functional(x), options.saved_x12_fp8, tile_rows, path)
+                                   path is None and _gemm.functional(x), options.saved_x12_fp8, tile_rows, path,
+                                   options.inplace_backward)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows = inputs
-        mark_saved_only(ctx, output[1])
+        mark_saved_only(ctx, *output[1:])
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
         ctx.tile_rows, ctx.tile_grads_fp32 = tile_rows, options.tile_grads_fp32
@@ -110,8 +112,8 @@ class SwiGLUFunction(LeanApplyFunction):
             ctx.save_for_backward(x, w1, b1, w2, b2, w3, output[1])
         elif options.recompute_gate_up:
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
-        else:
-            ctx.save_for_backward(x, w1, w2, w3, output[1])
+        else:  # x12, or gate and up apart (``swiglu_forward_pass``)
+            ctx.save_for_backward(x, w1, w2, w3, *output[1:])
         ctx.activation = options.activation
         ctx.recompute_gate_up = options.recompute_gate_up
         ctx.inplace_backward = options.inplace_backward
@@ -120,7 +122,7 @@ class SwiGLUFunction(LeanApplyFunction):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy, _dx12_unused):
+    def backward(ctx, dy, *_saved_only_grads):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
             return (None,) * 10
         if ctx.inplace_backward and ctx.backward_done and not ctx.tile_rows:
@@ -140,16 +142,21 @@ class SwiGLUFunction(LeanApplyFunction):
             x2d = x.reshape(-1, x.shape[-1])
             x12 = _gemm.gate_up(x2d, w1, b1, w2, b2, _gemm.functional(x2d))  # extra GEMM
         else:
-            x, w1, w2, w3, x12 = ctx.saved_tensors
+            x, w1, w2, w3, *saved = ctx.saved_tensors
             x2d = x.reshape(-1, x.shape[-1])
+            x12 = saved[0] if len(saved) == 1 else None  # else gate and up apart
         need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = ctx.needs_input_grad[:7]
         dy2d = dy.reshape(-1, w3.shape[0])
         dh = torch.mm(dy2d, w3)                                            # GEMM 1
         # In-place reuse is always safe for the recomputed x12 (nobody else
         # holds it), but not under torch.func, where dh may carry a vmap batch.
         # Decided once for this backward (None: traced or transformed, route decides per primitive).
-        path = None if is_transformed(x12) else dispatch.eager_path(dh, ctx.activation)
-        if ctx.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
+        path = None if is_transformed(dh if x12 is None else x12) else dispatch.eager_path(dh, ctx.activation)
+        if x12 is None and (path is None or not path.halves_apart):
+            x12 = torch.cat(saved, dim=1)  # backward runs where the forward's kernels do not: one x12
+        if x12 is None:
+            dx12, h = path.backward_halves(*saved, dh)
+        elif ctx.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
             dx12, h = (route.backward_fp8(x12, dh, ctx.activation) if path is None
                        else path.backward_fp8(x12, dh))
         else:
@@ -179,9 +186,13 @@ class SwiGLUFunction(LeanApplyFunction):
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
-                        saved_x12_fp8: bool = False, tile_rows: int = 0, path=None):
+                        saved_x12_fp8: bool = False, tile_rows: int = 0, path=None, x12_buffer: bool = False):
     """The forward's computation: (y, x12), or (y, the 8-bit saved x12) with
-    ``saved_x12_fp8`` (not under ``inference``). ``inference`` comes from the
+    ``saved_x12_fp8`` (not under ``inference``). With separate weights on the
+    kernels' decided ``path`` (``halves_apart``), gate and up stay their
+    GEMMs' own outputs (no x12 buffer to allocate and split): (y, gate, up),
+    or under ``inference`` (y, h) with h written over gate; ``x12_buffer``
+    keeps them in one x12 (``inplace_backward`` writes dx12 over it). ``inference`` comes from the
     caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path. The API calls this directly under no_grad (no
@@ -193,7 +204,16 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
         return tiled_passes.tiled_forward(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, w3, b3,
                                           activation, tile_rows, inference, is_functional, saved_x12_fp8,
                                           None if flat else (*x.shape[:-1], w3.shape[0]))
-    x12 = _gemm.gate_up(x if flat else x.reshape(-1, x.shape[-1]), w1, b1, w2, b2, is_functional)
+    x2d = x if flat else x.reshape(-1, x.shape[-1])
+    out_shape = None if flat else (*x.shape[:-1], w3.shape[0])
+    if w2 is not None and path is not None and path.halves_apart and (
+            inference or not (saved_x12_fp8 or x12_buffer)):
+        gate, up = _gemm.gate_and_up(x2d, w1, b1, w2, b2)
+        if inference:
+            h = path.forward_over_gate(gate, up)
+            return _gemm.down(h, w3, b3, out_shape, is_functional), h
+        return _gemm.down(path.forward_halves(gate, up), w3, b3, out_shape, is_functional), gate, up
+    x12 = _gemm.gate_up(x2d, w1, b1, w2, b2, is_functional)
     # No path object is made under a tracer (path None): Dynamo would have to build it.
     if inference:
         h = route.forward_inplace(x12, activation) if path is None else path.forward_inplace(x12)
@@ -201,7 +221,7 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
         h, x12 = route.forward_fp8(x12, activation) if path is None else path.forward_fp8(x12)
     else:
         h = route.forward(x12, activation) if path is None else path.forward(x12)
-    return _gemm.down(h, w3, b3, None if flat else (*x.shape[:-1], w3.shape[0]), is_functional), x12
+    return _gemm.down(h, w3, b3, out_shape, is_functional), x12
 
 
 def _swiglu_vmap_rule(info, in_dims, tensors, modes):

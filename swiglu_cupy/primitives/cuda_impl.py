@@ -223,14 +223,21 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
 def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
                             launcher=None, launch_config: LaunchConfig | None = None,
                             activation: GLUActivation = SILU) -> torch.Tensor:
-    gate, up = _rows_view(gate), _rows_view(up)
+    # ``_rows_view`` and ``_copy_back`` inline: separate weights' gate and up take this hot path.
+    if gate.stride(1) != 1 and gate.shape[1] > 1:
+        gate = gate.contiguous()
+    if up.stride(1) != 1 and up.shape[1] > 1:
+        up = up.contiguous()
     M, H = gate.shape
-    h = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if out is None else out
-    target = _unit_rows(h)
+    if out is None:
+        h = target = gate.new_empty((M, H))
+    else:
+        h, target = out, _unit_rows(out)
     launch_plan("swiglu_forward", activation, gate.dtype, launch_config).launch_rows(
         launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()),
         (gate.stride(0), up.stride(0), target.stride(0)))
-    _copy_back(target, h)
+    if target is not h:
+        h.copy_(target)
     return h
 
 
@@ -298,6 +305,24 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
                          (ld, ld, dh.stride(0), dx_ld, dx_ld, h.stride(0)))
     if target is not dx12:
         dx12.copy_(target)  # written through a contiguous stand-in: back to the caller's view
+    return dx12, h
+
+
+def launch_swiglu_backward_halves(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, launcher=None,
+                                  launch_config: LaunchConfig | None = None,
+                                  activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx12 [M, 2H], h), both new, from separate gate and up [M, H] (halves
+    specs): the kernel of ``launch_swiglu_backward`` with its own pointer
+    and row stride for each half."""
+    gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
+    M, H = gate.shape
+    dx12 = gate.new_empty((M, 2 * H))
+    h = gate.new_empty((M, H))
+    plan = launch_plan("swiglu_backward", activation, gate.dtype, launch_config)
+    dx = dx12.data_ptr()
+    plan.launch_rows(launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx, dx + H * plan.itemsize,
+                                            h.data_ptr()),
+                     (gate.stride(0), up.stride(0), dh.stride(0), 2 * H, 2 * H, H))
     return dx12, h
 
 

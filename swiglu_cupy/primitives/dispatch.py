@@ -56,6 +56,9 @@ class KernelPath:
     """The kernels, for one (launcher, GLU spec, dtype, device, launch
     config) whose self-check passed (``launcher`` None: CuPy's)."""
     __slots__ = ("launcher", "spec", "config")
+    #: Separate weights' gate and up may stay two tensors (``*_halves``): the kernels read each
+    #: where it lies, with the same math whatever the layout.
+    halves_apart = True
 
     def __init__(self, launcher, spec: GLUActivation, config) -> None:
         self.launcher, self.spec, self.config = launcher, spec, config
@@ -68,7 +71,20 @@ class KernelPath:
         if self.spec.interleaved:
             return self.forward(x12)
         gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
+        return self.forward_over_gate(gate, up)
+
+    def forward_over_gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """h = act(gate) * up written over ``gate`` ([M, H] each, halves specs)."""
         return kernels.launch_silu_mul_forward(gate, up, gate, self.launcher, self.config, self.spec)
+
+    def forward_halves(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """A new h = act(gate) * up from separate gate and up (halves specs)."""
+        return kernels.launch_silu_mul_forward(gate, up, None, self.launcher, self.config, self.spec)
+
+    def backward_halves(self, gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dx12 [M, 2H], h), both new, from separate gate and up (halves specs)."""
+        return kernels.launch_swiglu_backward_halves(gate, up, dh, self.launcher, self.config, self.spec)
 
     def forward_fp8(self, x12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.launch_swiglu_forward_fp8(x12, self.launcher, self.config, self.spec)
@@ -86,6 +102,9 @@ class TorchPath:
     """The torch implementation, for one GLU spec."""
     __slots__ = ("spec",)
     launcher = False  # as ``_kernel_launcher`` answers for the torch implementation
+    #: One x12 always: torch's CPU loops round a row's vector tail apart from its body, so the
+    #: bits would depend on the layout (and the memory modes, which need one x12, would differ).
+    halves_apart = False
 
     def __init__(self, spec: GLUActivation) -> None:
         self.spec = spec
@@ -98,6 +117,9 @@ class TorchPath:
         if self.spec.interleaved:
             return self.forward(x12)
         gate, up = x12.chunk(2, 1)
+        return self.forward_over_gate(gate, up)
+
+    def forward_over_gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return torch_impl.silu_mul_forward_torch(gate, up, gate, self.spec)
 
     def forward_fp8(self, x12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
