@@ -92,3 +92,43 @@ def test_options_are_checked_once_and_reused():
             api.swiglu(x, w12, None, w3, None, recompute_gate_up=1)
         with pytest.raises(ValueError, match="saved_x12='fp8' cannot be combined with recompute_gate_up"):
             api.swiglu(x, w12, None, w3, None, recompute_gate_up=True, saved_x12="fp8")
+
+
+def _first_order_calls():
+    """Each Function's call with an input that requires grad: (name, call() -> (output, input))."""
+    import swiglu_cupy as sc
+    import swiglu_cupy.moe as moe
+
+    def dense():
+        x, w12, w3 = _packed()
+        x.requires_grad_()
+        return sc.swiglu(x, w12, None, w3, None), x
+
+    def silu_mul():
+        gate, up = (t.requires_grad_() for t in torch.randn(2, 5, H, generator=torch.Generator().manual_seed(0)))
+        return sc.silu_mul(gate, up), gate
+
+    def experts():
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(7, D, generator=gen, requires_grad=True)
+        ids = torch.randint(0, 3, (7, 2), generator=gen)
+        weights = torch.rand(7, 2, generator=gen)
+        w12, w3 = torch.randn(3, 2 * H, D, generator=gen) / D ** 0.5, torch.randn(3, D, H, generator=gen) / H ** 0.5
+        return moe.routed_experts(x, ids, weights, w12, w3), x
+
+    return {"swiglu": dense, "silu_mul": silu_mul, "routed_experts": experts}
+
+
+@pytest.mark.parametrize("name", ["swiglu", "silu_mul", "routed_experts"])
+def test_backward_is_first_order_only(name):
+    """A backward with create_graph=True runs under torch's once_differentiable
+    guard: its gradients are the usual ones, and differentiating them again
+    raises. Without create_graph the backward runs bare, with the same result."""
+    call = _first_order_calls()[name]
+    y, x = call()
+    (plain,) = torch.autograd.grad(y.square().sum(), x)
+    y, x = call()
+    (graphed,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    assert torch.equal(graphed, plain) and plain.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        graphed.sum().backward()

@@ -23,9 +23,8 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from .._autograd import LeanApplyFunction, mark_saved_only
+from .._autograd import LeanApplyFunction, first_order_backward, mark_saved_only
 from .._torch_compat import is_transformed
 from ..activations import SILU, GLUActivation
 from ..primitives import dispatch, route
@@ -121,7 +120,7 @@ class SwiGLUFunction(LeanApplyFunction):
         ctx.backward_done = False
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, dy, *_saved_only_grads):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
             return (None,) * 10
@@ -257,7 +256,7 @@ class SiluMulFunction(LeanApplyFunction):
         ctx.activation = inputs[2]
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, dh):
         gate, up = ctx.saved_tensors
         dgate, dup = route.silu_mul_backward(_rows(gate), _rows(up), _rows(dh), ctx.activation)

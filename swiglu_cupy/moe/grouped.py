@@ -69,11 +69,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from .. import _validation as check
 from .._dtypes import FULL_PRECISION_DTYPES
-from .._autograd import LeanApplyFunction, graph_needed, mark_saved_only, under_autocast
+from .._autograd import LeanApplyFunction, first_order_backward, graph_needed, mark_saved_only, under_autocast
 from .._tile_size import HALF_DTYPES, resolve_tile_rows, tile_slices
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
 from ..primitives import dispatch
@@ -535,7 +534,7 @@ class MoEExpertsFunction(LeanApplyFunction):
         ctx.tile = (tile, tile_grads_fp32)
 
     @staticmethod
-    @once_differentiable
+    @first_order_backward
     def backward(ctx, dy, _dx12_unused):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
             return (None,) * 18
