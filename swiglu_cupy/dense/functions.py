@@ -12,9 +12,9 @@ its clamps, and with ``interleaved`` the rows of w12 (and columns of x12)
 alternate gate/up: ``[g0, u0, g1, u1, ...]``.
 
 ``SwiGLUFunction`` is only ever called through ``.apply()``: its forward
-always saves the same tensors (x, w12, w3 and x12 -- or gate and up apart --,
-never h), whatever requires grad, so activation checkpointing in both modes sees identical
-forwards (the bug that broke xformers' fused op). The arguments were
+always saves the same tensors (x, w12, w3 and x12, or gate and up apart;
+never h), whatever requires grad, so activation checkpointing in both modes
+sees identical forwards (the bug that broke xformers' fused op). The arguments were
 validated once by the public API (``api.py``); nothing here checks them.
 """
 from __future__ import annotations
@@ -191,8 +191,8 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
     kernels' decided ``path`` (``halves_apart``), gate and up stay their
     GEMMs' own outputs (no x12 buffer to allocate and split): (y, gate, up),
     or under ``inference`` (y, h) with h written over gate; ``x12_buffer``
-    keeps them in one x12 (``inplace_backward`` writes dx12 over it). ``inference`` comes from the
-    caller's grad mode (forward itself runs without grad), never from
+    keeps them in one x12 (``inplace_backward`` writes dx12 over it).
+    ``inference`` comes from the caller's grad mode (forward itself runs without grad), never from
     requires_grad: checkpoint recomputes, which run with grad enabled, always
     take the saving path. The API calls this directly under no_grad (no
     graph, so the Function has no job there). ``path``: the call's decided
