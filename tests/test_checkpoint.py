@@ -114,3 +114,36 @@ def test_checkpoint_under_cpu_autocast(mode, x_requires_grad):
     _assert_same(got, expected)
     for g in expected[1].values():
         assert g.dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode,x_requires_grad", [
+    ("non_reentrant", False), ("non_reentrant", True), ("reentrant", True)])
+def test_checkpoint_of_separate_weights_on_the_kernels(host_launcher, mode, x_requires_grad):
+    """Separate gate/up weights on the kernels' path (host-executed) save
+    gate and up as two tensors: both checkpoint modes recompute the same
+    saves and give the un-checkpointed gradients bit for bit."""
+    from conftest import primitives_on_host_kernels
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, D, requires_grad=x_requires_grad)
+    params = [(torch.randn(H, D) / 6).requires_grad_(), torch.randn(H).requires_grad_(),
+              (torch.randn(H, D) / 6).requires_grad_(), torch.randn(H).requires_grad_(),
+              (torch.randn(D, H) / 7).requires_grad_(), None]
+
+    def grads(checkpointed):
+        for t in [x, *params[:5]]:
+            t.grad = None
+        with primitives_on_host_kernels(host_launcher):
+            if checkpointed:
+                y = checkpoint(sc.swiglu_unpacked, x, *params, use_reentrant=(mode == "reentrant"))
+            else:
+                y = sc.swiglu_unpacked(x, *params)
+            y.pow(2).sum().backward()
+        return [t.grad for t in ([x] if x_requires_grad else []) + params[:5]]
+
+    host_launcher.launches.clear()
+    expected = grads(False)
+    assert [name for name, *_ in host_launcher.launches] == ["swiglu_forward_vec_p1", "swiglu_backward_vec_p1"]
+    for g, g_ref in zip(grads(True), expected):
+        assert_nontrivial(g_ref, "grad")
+        assert torch.equal(g, g_ref)
