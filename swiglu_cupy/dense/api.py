@@ -80,15 +80,18 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
     """The call's checked :class:`SwiGLUOptions` (``tile_rows`` is checked here, resolved per call)."""
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
-    # Not inside a trace: Dynamo would guard on the cache's contents (and 2.11's cannot hash the key).
-    exact = (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
-             and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
-             and not torch.compiler.is_compiling())
-    named = activation.__class__ is str
-    key = (activation if named else id(activation), recompute_gate_up, inplace_backward, saved_x12,
-           tile_grads_fp32, halves_only)
-    entry = _OPTIONS.get(key) if exact and (named or activation.__class__ is GLUActivation) else None
-    options = entry[1] if entry is not None and (named or entry[0] is activation) else None
+    # Not inside a trace: Dynamo would guard on the cache's contents (and 2.11's can neither hash
+    # the key nor take id() of a name), so the key is made only outside one.
+    key = options = None
+    if (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
+            and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
+            and (activation.__class__ is str or activation.__class__ is GLUActivation)
+            and not torch.compiler.is_compiling()):
+        named = activation.__class__ is str
+        key = (activation if named else id(activation), recompute_gate_up, inplace_backward, saved_x12,
+               tile_grads_fp32, halves_only)
+        entry = _OPTIONS.get(key)
+        options = entry[1] if entry is not None and (named or entry[0] is activation) else None
     if options is None:
         check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
                           tile_grads_fp32=tile_grads_fp32)
@@ -96,7 +99,7 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
         spec = (resolve_halves_activation(activation, "w1 and w2") if halves_only
                 else resolve_activation(activation))
         options = SwiGLUOptions(spec, recompute_gate_up, inplace_backward, fp8, tile_grads_fp32)
-        if exact:
+        if key is not None:
             if len(_OPTIONS) >= 1024:
                 _OPTIONS.clear()
             _OPTIONS[key] = (activation, options)
