@@ -86,18 +86,83 @@ __device__ __forceinline__ float rcp_fast(float v) {
 #endif
 }
 
-__device__ __forceinline__ float exp_acc(float v) {
-    if constexpr (sizeof(scalar_t) < sizeof(float)) return exp2_fast(v * SWIGLU_LOG2E);
-    else return expf(v);
+// ---- two fp32 lanes at once -------------------------------------------------------
+// sm_100 issues fp32 add, multiply and FMA on two lanes in one instruction
+// (FADD2/FMUL2/FFMA2: PTX .f32x2, which NVRTC offers only as inline PTX; it
+// does not pair scalar code by itself). The activations are written once over
+// a math type T: acc_t, or FloatPair for two elements of a pack. FloatPair's
+// operators are one paired instruction on sm_100 and their two scalar
+// operations everywhere else (sm_80/90, and host execution, which so runs the
+// paired code's formulas). Each lane rounds as the scalar operation does (.rn,
+// .ftz where the module flushes denormals); a paired multiply and add are
+// never fused into an FMA, as tests/test_activation_math.py's model assumes.
+// The transcendentals (MUFU) and selects stay per lane.
+struct FloatPair {
+    float lo, hi;
+    FloatPair() = default;
+    __device__ __forceinline__ FloatPair(float lo_, float hi_) : lo(lo_), hi(hi_) {}
+    __device__ __forceinline__ FloatPair(float v) : lo(v), hi(v) {}  // a constant in both lanes
+};
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+#if __CUDA_FTZ
+#define SWIGLU_F32X2(op) op ".rn.ftz.f32x2 "
+#else
+#define SWIGLU_F32X2(op) op ".rn.f32x2 "
+#endif
+__device__ __forceinline__ unsigned long long pair_bits(FloatPair a) {
+    unsigned long long r;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(r) : "f"(a.lo), "f"(a.hi));
+    return r;
 }
-__device__ __forceinline__ double exp_acc(double v) { return exp(v); }  // fp64: the checking dtype, exact forms
+__device__ __forceinline__ FloatPair pair_of(unsigned long long r) {
+    FloatPair a;
+    asm("mov.b64 {%0, %1}, %2;" : "=f"(a.lo), "=f"(a.hi) : "l"(r));
+    return a;
+}
+__device__ __forceinline__ FloatPair operator+(FloatPair a, FloatPair b) {
+    unsigned long long r;
+    asm(SWIGLU_F32X2("add") "%0, %1, %2;" : "=l"(r) : "l"(pair_bits(a)), "l"(pair_bits(b)));
+    return pair_of(r);
+}
+__device__ __forceinline__ FloatPair operator-(FloatPair a, FloatPair b) {
+    unsigned long long r;
+    asm(SWIGLU_F32X2("sub") "%0, %1, %2;" : "=l"(r) : "l"(pair_bits(a)), "l"(pair_bits(b)));
+    return pair_of(r);
+}
+__device__ __forceinline__ FloatPair operator*(FloatPair a, FloatPair b) {
+    unsigned long long r;
+    asm(SWIGLU_F32X2("mul") "%0, %1, %2;" : "=l"(r) : "l"(pair_bits(a)), "l"(pair_bits(b)));
+    return pair_of(r);
+}
+#else
+__device__ __forceinline__ FloatPair operator+(FloatPair a, FloatPair b) { return {a.lo + b.lo, a.hi + b.hi}; }
+__device__ __forceinline__ FloatPair operator-(FloatPair a, FloatPair b) { return {a.lo - b.lo, a.hi - b.hi}; }
+__device__ __forceinline__ FloatPair operator*(FloatPair a, FloatPair b) { return {a.lo * b.lo, a.hi * b.hi}; }
+#endif
+
+// e^-v (callers negate nothing: in a pair, the sign folds into the constant).
+__device__ __forceinline__ float exp_neg_acc(float v) {
+    if constexpr (sizeof(scalar_t) < sizeof(float)) return exp2_fast(v * -SWIGLU_LOG2E);
+    else return expf(-v);
+}
+__device__ __forceinline__ double exp_neg_acc(double v) { return exp(-v); }  // fp64: the checking dtype, exact forms
+__device__ __forceinline__ FloatPair exp_neg_acc(FloatPair v) {
+    if constexpr (sizeof(scalar_t) < sizeof(float)) {
+        const FloatPair z = v * FloatPair(-SWIGLU_LOG2E);
+        return {exp2_fast(z.lo), exp2_fast(z.hi)};
+    } else {
+        return {expf(-v.lo), expf(-v.hi)};
+    }
+}
 
 __device__ __forceinline__ float rcp_acc(float v) { return rcp_fast(v); }
 __device__ __forceinline__ double rcp_acc(double v) { return 1.0 / v; }  // fp64: exact forms
+__device__ __forceinline__ FloatPair rcp_acc(FloatPair v) { return {rcp_fast(v.lo), rcp_fast(v.hi)}; }
 
 // 1 / (1 + e^-g): e^-g overflows to +inf for very negative g and the
 // reciprocal gives exactly 0, so no branch is needed for stability.
-__device__ __forceinline__ acc_t sigmoid_acc(acc_t g) { return rcp_acc(acc_t(1) + exp_acc(-g)); }
+template <class T> __device__ __forceinline__ T sigmoid_acc(T g) { return rcp_acc(T(1) + exp_neg_acc(g)); }
 
 // s = sigmoid(g) and c = 1 - s, each within a few ulps: 1 - s cancels where
 // s nears 1, and there (e^-g <= 1) c = e^-g * s exactly in real numbers;
@@ -106,10 +171,16 @@ __device__ __forceinline__ acc_t sigmoid_acc(acc_t g) { return rcp_acc(acc_t(1) 
 // SiLU, OAI and GLU take 1 - s, whose absolute error (an ulp of 1) their
 // g-linear terms keep inside the bound, at two registers less per element
 // (the complement made SwiGLU's 2-pack backward spill on sm_100).
-__device__ __forceinline__ void sigmoid_and_complement(acc_t g, acc_t& s, acc_t& c) {
-    const acc_t e = exp_acc(-g);
-    s = rcp_acc(acc_t(1) + e);
-    c = e <= acc_t(1) ? e * s : acc_t(1) - s;
+template <class T> __device__ __forceinline__ T select_complement(T e, T es, T one_minus_s) {
+    return e <= T(1) ? es : one_minus_s;
+}
+__device__ __forceinline__ FloatPair select_complement(FloatPair e, FloatPair es, FloatPair one_minus_s) {
+    return {select_complement(e.lo, es.lo, one_minus_s.lo), select_complement(e.hi, es.hi, one_minus_s.hi)};
+}
+template <class T> __device__ __forceinline__ void sigmoid_and_complement(T g, T& s, T& c) {
+    const T e = exp_neg_acc(g);
+    s = rcp_acc(T(1) + e);
+    c = select_complement(e, e * s, T(1) - s);
 }
 
 // Elements per 16-byte vector access.
@@ -127,11 +198,25 @@ template <int N> struct alignas(sizeof(scalar_t) * N) Pack { scalar_t v[N]; };
 // ptxas held SwiGLU's 2-pack backward to 64 registers under NVRTC 13.0 and
 // spilled). Volatile: the loads keep their place before the stores (in
 // place, h is written over the gate half it was computed from).
+// The variants other than SwiGLU load their 16-bit packs through PTX on
+// sm_100 too (sources.module_source defines SWIGLU_PTX_LOADS_16BIT for them):
+// there NVVM split the 2- and 4-pack instances' 16-byte loads of the clamped
+// and erf-GELU variants into two 8-byte ones once their math went through
+// FloatPair. SwiGLU keeps the plain load (through PTX its fp16 2-pack
+// backward spilled on sm_100, under its tighter register budget).
+#ifndef SWIGLU_PTX_LOADS_16BIT
+#define SWIGLU_PTX_LOADS_16BIT 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && SWIGLU_PTX_LOADS_16BIT
+#define SWIGLU_PTX_LOAD_16BIT_PACKS 1
+#else
+#define SWIGLU_PTX_LOAD_16BIT_PACKS 0
+#endif
 template <int N> __device__ __forceinline__ Pack<N> load_pack(const scalar_t* p) {
     if constexpr (sizeof(Pack<N>) == sizeof(uint4)) {
 #ifdef __CUDA_ARCH__
         uint4 raw;
-        if constexpr (sizeof(scalar_t) == 4) {
+        if constexpr (sizeof(scalar_t) == 4 || SWIGLU_PTX_LOAD_16BIT_PACKS) {
             asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];"
                          : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w) : "l"(p));
         } else {

@@ -163,9 +163,11 @@ __device__ __forceinline__ void load_code_words(const unsigned char* base, int l
 // A lane's codes 2 j and 2 j + 1 (of load_code_words), decoded and scaled.
 __device__ __forceinline__ void decode_pair(const unsigned int (&words)[SWIGLU_FP8_COLS / 4], int j, float scale,
                                             float& lo, float& hi) {
-    floats_from_e4m3x2(j & 1 ? words[j >> 1] >> 16 : words[j >> 1] & 0xFFFFu, lo, hi);
-    lo *= scale;
-    hi *= scale;
+    float code_lo, code_hi;
+    floats_from_e4m3x2(j & 1 ? words[j >> 1] >> 16 : words[j >> 1] & 0xFFFFu, code_lo, code_hi);
+    const FloatPair scaled = FloatPair(code_lo, code_hi) * FloatPair(scale);  // one paired multiply on sm_100
+    lo = scaled.lo;
+    hi = scaled.hi;
 }
 
 template <int K> __device__ __forceinline__ float lanes_amax(const Pack<K>& v) {
@@ -205,7 +207,7 @@ __device__ __forceinline__ void glu_forward_fp8_halves(
                 const int col = lane_column<false>(lane, k);
                 if (col >= n) break;  // later columns lie further right
                 const float g = to_float(gate_row[col]), u = to_float(up_row[col]);
-                h[row * ld_h + c0 + col] = from_acc<scalar_t>(GLU::forward((acc_t)g, (acc_t)u, prm));
+                h[row * ld_h + c0 + col] = from_acc<scalar_t>(glu_forward_one<GLU>((acc_t)g, (acc_t)u, prm));
                 q_row[col] = e4m3_code(quantize_g, g);
                 q_row[H + col] = e4m3_code(quantize_u, u);
             }
@@ -219,9 +221,7 @@ __device__ __forceinline__ void glu_forward_fp8_halves(
                 scales[row * ld_scales + blocks + block] = scale_u;
             }
             Pack<SWIGLU_FP8_COLS> hv;
-#pragma unroll
-            for (int k = 0; k < SWIGLU_FP8_COLS; ++k)
-                hv.v[k] = from_acc<scalar_t>(GLU::forward(to_acc(g.v[k]), to_acc(u.v[k]), prm));
+            glu_forward_pack<GLU, SWIGLU_FP8_COLS>(g, u, prm, hv);
             store_values<SWIGLU_FP8_COLS>(h + row * ld_h + c0, lane, n, hv);
             store_codes(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale_g), g);
             store_codes(q + row * ld_q + H + c0, lane, n, E4m3Quantizer(scale_u), u);
@@ -252,7 +252,7 @@ __device__ __forceinline__ void glu_forward_fp8_pairs(
                 const int col = lane_column<true>(lane, 2 * j);  // the gate of a pair; its up is next
                 if (col >= n) break;
                 const float g = to_float(x_row[col]), u = to_float(x_row[col + 1]);
-                h[row * ld_h + (c0 + col) / 2] = from_acc<scalar_t>(GLU::forward((acc_t)g, (acc_t)u, prm));
+                h[row * ld_h + (c0 + col) / 2] = from_acc<scalar_t>(glu_forward_one<GLU>((acc_t)g, (acc_t)u, prm));
                 q_row[col] = e4m3_code(quantize, g);
                 q_row[col + 1] = e4m3_code(quantize, u);
             }
@@ -263,8 +263,13 @@ __device__ __forceinline__ void glu_forward_fp8_pairs(
             if (lane == 0 && n > 0) scales[row * ld_scales + block] = scale;
             Pack<SWIGLU_FP8_COLS / 2> hv;
 #pragma unroll
-            for (int j = 0; j < SWIGLU_FP8_COLS / 2; ++j)
-                hv.v[j] = from_acc<scalar_t>(GLU::forward(to_acc(x.v[2 * j]), to_acc(x.v[2 * j + 1]), prm));
+            for (int j = 0; j < SWIGLU_FP8_COLS / 2; j += 2) {  // h columns j and j + 1: x pairs 2j and 2j + 2
+                acc_t h0, h1;
+                glu_forward_two<GLU>(to_acc(x.v[2 * j]), to_acc(x.v[2 * j + 2]), to_acc(x.v[2 * j + 1]),
+                                     to_acc(x.v[2 * j + 3]), prm, h0, h1);
+                hv.v[j] = from_acc<scalar_t>(h0);
+                hv.v[j + 1] = from_acc<scalar_t>(h1);
+            }
             store_values<SWIGLU_FP8_COLS / 2>(h + row * ld_h + c0 / 2, lane, n / 2, hv);
             store_codes(q + row * ld_q + c0, lane, n, E4m3Quantizer(scale), x);
         }
@@ -287,7 +292,7 @@ __device__ __forceinline__ void glu_backward_fp8_halves(
                 const int col = lane_column<false>(lane, k);
                 if (col >= n) break;  // later columns lie further right
                 acc_t hv, dg, du;
-                GLU::backward((acc_t)(float_from_e4m3(q_gate[col]) * scale_g),
+                glu_backward_one<GLU>((acc_t)(float_from_e4m3(q_gate[col]) * scale_g),
                               (acc_t)(float_from_e4m3(q_up[col]) * scale_u), to_acc(dh[row * ld_dh + c0 + col]),
                               prm, hv, dg, du);
                 dgate[row * ld_dgate + c0 + col] = from_acc<scalar_t>(dg);
@@ -308,16 +313,18 @@ __device__ __forceinline__ void glu_backward_fp8_halves(
                 Pack<S> hv, dg, du;
 #pragma unroll
                 for (int j = 0; j < S / 2; ++j) {
-                    float g[2], u[2];
-                    decode_pair(gw, S / 2 * p + j, scale_g, g[0], g[1]);
-                    decode_pair(uw, S / 2 * p + j, scale_u, u[0], u[1]);
+                    float gf[2], uf[2];
+                    decode_pair(gw, S / 2 * p + j, scale_g, gf[0], gf[1]);
+                    decode_pair(uw, S / 2 * p + j, scale_u, uf[0], uf[1]);
+                    const acc_t g[2] = {gf[0], gf[1]}, u[2] = {uf[0], uf[1]},
+                                dk[2] = {to_acc(d.v[S * p + 2 * j]), to_acc(d.v[S * p + 2 * j + 1])};
+                    acc_t hk[2], dgk[2], duk[2];
+                    glu_backward_two<GLU>(g, u, dk, prm, hk, dgk, duk);
 #pragma unroll
                     for (int i = 0; i < 2; ++i) {
-                        acc_t hk, dgk, duk;
-                        GLU::backward((acc_t)g[i], (acc_t)u[i], to_acc(d.v[S * p + 2 * j + i]), prm, hk, dgk, duk);
-                        hv.v[2 * j + i] = from_acc<scalar_t>(hk);
-                        dg.v[2 * j + i] = from_acc<scalar_t>(dgk);
-                        du.v[2 * j + i] = from_acc<scalar_t>(duk);
+                        hv.v[2 * j + i] = from_acc<scalar_t>(hk[i]);
+                        dg.v[2 * j + i] = from_acc<scalar_t>(dgk[i]);
+                        du.v[2 * j + i] = from_acc<scalar_t>(duk[i]);
                     }
                 }
                 store_pack<S>(dgate + row * ld_dgate + c0 + start, dg);
@@ -343,7 +350,7 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
                 if (col >= n) break;
                 const index_t h_col = (c0 + col) / 2;
                 acc_t hv, dg, du;
-                GLU::backward((acc_t)(float_from_e4m3(q_row[col]) * scale),
+                glu_backward_one<GLU>((acc_t)(float_from_e4m3(q_row[col]) * scale),
                               (acc_t)(float_from_e4m3(q_row[col + 1]) * scale), to_acc(dh[row * ld_dh + h_col]),
                               prm, hv, dg, du);
                 dx12[row * ld_dx12 + 2 * h_col] = from_acc<scalar_t>(dg);
@@ -363,14 +370,20 @@ __device__ __forceinline__ void glu_backward_fp8_pairs(
                 Pack<S / 2> hv;
                 Pack<S> dx;
 #pragma unroll
-                for (int j = 0; j < S / 2; ++j) {
-                    float g, u;
-                    decode_pair(xw, S / 2 * p + j, scale, g, u);
-                    acc_t hj, dgj, duj;
-                    GLU::backward((acc_t)g, (acc_t)u, to_acc(d.v[S / 2 * p + j]), prm, hj, dgj, duj);
-                    hv.v[j] = from_acc<scalar_t>(hj);
-                    dx.v[2 * j] = from_acc<scalar_t>(dgj);
-                    dx.v[2 * j + 1] = from_acc<scalar_t>(duj);
+                for (int j = 0; j < S / 2; j += 2) {  // h columns j and j + 1 of the piece
+                    float gf[2], uf[2];
+                    decode_pair(xw, S / 2 * p + j, scale, gf[0], uf[0]);
+                    decode_pair(xw, S / 2 * p + j + 1, scale, gf[1], uf[1]);
+                    const acc_t g[2] = {gf[0], gf[1]}, u[2] = {uf[0], uf[1]},
+                                dj[2] = {to_acc(d.v[S / 2 * p + j]), to_acc(d.v[S / 2 * p + j + 1])};
+                    acc_t hj[2], dgj[2], duj[2];
+                    glu_backward_two<GLU>(g, u, dj, prm, hj, dgj, duj);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        hv.v[j + i] = from_acc<scalar_t>(hj[i]);
+                        dx.v[2 * (j + i)] = from_acc<scalar_t>(dgj[i]);
+                        dx.v[2 * (j + i) + 1] = from_acc<scalar_t>(duj[i]);
+                    }
                 }
                 store_pack<S>(dx12 + row * ld_dx12 + c0 + start, dx);
                 store_pack<S / 2>(h + row * ld_h + (c0 + start) / 2, hv);

@@ -9,7 +9,10 @@ default launch (``sass_walk.py``) and held to issue 42's goals
    2-byte access per lane in the 8-bit kernels' hot loop (coalesced);
 3. no CALL in the hot loop;
 4. the model's issue/memory ratio under the kernel class's goal
-   (``machine_code.goal_for``) on the default launch.
+   (``machine_code.goal_for``) on the default launch;
+5. on sm_100, paired fp32 math (FADD2/FMUL2/FFMA2) in the hot loop of
+   every kernel whose activation is written over pairs
+   (``machine_code.pairs_expected``).
 
 The kernels that fail a check today are listed, with the figure measured,
 in ``machine_code_known_failures.tsv`` beside this file: their tests are
@@ -64,7 +67,7 @@ def dtype_label(dtype: torch.dtype) -> str:
 # ---- the kernels that fail today, in one place ----------------------------------------------
 
 KNOWN_FAILURES_FILE = Path(__file__).with_name("machine_code_known_failures.tsv")
-CHECKS = ("local", "widths", "call", "ratio")
+CHECKS = ("local", "widths", "call", "ratio", "paired")
 
 
 def nvrtc_version() -> str:
@@ -163,6 +166,19 @@ def test_issue_memory_ratio_meets_the_goal(job, kernel):
     code = module_codes(job)[kernel]
     problems = mc.ratio_problems(code, mc.goal_for(variant, dtype, kernel))
     assert not problems, problems
+
+
+@pytest.mark.parametrize("job, kernel", cases("paired", lambda v, d, a, k: mc.pairs_expected(v, d, a)))
+def test_paired_fp32_math_on_sm100(job, kernel):
+    code = module_codes(job)[kernel]
+    assert not mc.paired_math_problems(code), mc.paired_math_problems(code)
+
+
+def test_paired_math_stays_scalar_where_the_arch_has_none():
+    """sm_90's code of the same kernels is the FloatPair operators' scalar
+    twins: no paired instruction, and every instruction count as before."""
+    codes = module_codes((DEFAULT_VARIANT, torch.bfloat16, "sm_90"))
+    assert codes and all(c.hot_loop_paired == 0 for c in codes.values())
 
 
 def test_every_known_failure_names_a_real_kernel():
@@ -533,6 +549,26 @@ extern "C" __global__ void planted_clean(const float4* a, float4* b, long long n
     }
 }
 
+// The same math as planted_clean on two lanes per instruction (sm_100's FMUL2; scalar below sm_100).
+extern "C" __global__ void planted_paired(const float4* a, float4* b, long long n) {
+    GRID_STRIDE(i, n) {
+        float4 v = a[i];
+#if __CUDA_ARCH__ >= 1000
+        unsigned long long xy, zw, two;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(xy) : "f"(v.x), "f"(v.y));
+        asm("mov.b64 %0, {%1, %2};" : "=l"(zw) : "f"(v.z), "f"(v.w));
+        asm("mov.b64 %0, {%1, %1};" : "=l"(two) : "f"(2.0f));
+        asm("mul.rn.f32x2 %0, %0, %1;" : "+l"(xy) : "l"(two));
+        asm("mul.rn.f32x2 %0, %0, %1;" : "+l"(zw) : "l"(two));
+        asm("mov.b64 {%0, %1}, %2;" : "=f"(v.x), "=f"(v.y) : "l"(xy));
+        asm("mov.b64 {%0, %1}, %2;" : "=f"(v.z), "=f"(v.w) : "l"(zw));
+#else
+        v.x *= 2.0f; v.y *= 2.0f; v.z *= 2.0f; v.w *= 2.0f;
+#endif
+        b[i] = v;
+    }
+}
+
 // Local memory: an array indexed by data cannot live in registers.
 extern "C" __global__ void planted_local(const float4* a, float4* b, long long n) {
     GRID_STRIDE(i, n) {
@@ -611,6 +647,19 @@ def test_planted_clean_kernel_passes_every_check(planted):
     assert not mc.hot_loop_call_problems(code)
     assert not mc.ratio_problems(code, SWIGLU_GOAL)
     assert code.sector_efficiency == 1.0 and code.walked_bytes_per_element == 8.0
+
+
+def test_planted_scalar_math_trips_the_paired_math_check(planted):
+    """sm_100: scalar fp32 math has no paired instruction (NVRTC pairs
+    nothing by itself), the same math through PTX's .f32x2 has; below sm_100
+    neither has any."""
+    clean, paired = planted["planted_clean"], planted["planted_paired"]
+    assert "no paired fp32 instruction" in " ".join(mc.paired_math_problems(clean))
+    if paired.arch == "sm_100":
+        assert not mc.paired_math_problems(paired) and paired.hot_loop_paired == 2
+        assert paired.instructions < clean.instructions  # two FMUL2 in place of four FMUL
+    else:
+        assert mc.paired_math_problems(paired)
 
 
 def test_planted_local_array_trips_the_local_memory_check(planted):

@@ -1,5 +1,5 @@
 """What the kernels' machine code predicts, per kernel: local memory, the
-width of each global access, CALLs in the hot loop, and a static
+width of each global access, CALLs and paired fp32 math (sm_100) in the hot loop, and a static
 issue/memory model. Predicted from the SASS of the cubins
 ``compile_check`` builds (no GPU), not measured.
 
@@ -59,8 +59,8 @@ import torch
 
 from ..kernels import sass
 from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
-from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, KernelVariant, fp8_lane_columns,
-                               kernel_name, vector_width)
+from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, PAIRED_MATH_KINDS, KernelVariant,
+                               fp8_lane_columns, kernel_name, vector_width)
 from ..kernels.launch_config import DEFAULT_LAUNCH, GRID_WAVES, PACKS_PER_THREAD, LaunchConfig
 
 
@@ -278,6 +278,7 @@ class KernelCode:
     hot_loop_accesses: Counter = field(default_factory=Counter)  # "LDG.E.128" -> count in the hot loop
     all_accesses: Counter = field(default_factory=Counter)
     hot_loop_calls: int = 0
+    hot_loop_paired: int = 0   # paired fp32 instructions (FADD2/FMUL2/FFMA2, sm_100+) in the hot loop
     calls: int = 0
     hot_loops: int = 0
     # the walk (None when no launch was given)
@@ -367,6 +368,7 @@ def analyze_function(fn: sass.SassFunction, functions: dict[str, sass.SassFuncti
     code.hot_loop_accesses = Counter(i.name for i in fn.hot_loop_accesses)
     code.all_accesses = Counter(i.name for i in fn.global_accesses)
     code.hot_loop_calls = len(fn.hot_loop_calls)
+    code.hot_loop_paired = sum(1 for i in fn.in_loops(fn.hot_loops) if i.opcode.split(".")[0] in PAIRED_FP32_OPCODES)
     code.calls = len(fn.calls)
     code.hot_loops = len(fn.hot_loops)
     if launch is None:
@@ -462,6 +464,26 @@ def hot_loop_call_problems(code: KernelCode) -> list[str]:
     return []
 
 
+#: sm_100's paired fp32 instructions: two lanes each (PTX add/sub/mul/fma .f32x2).
+PAIRED_FP32_OPCODES = frozenset({"FADD2", "FMUL2", "FFMA2"})
+PAIRED_FP32_ARCHS = frozenset({"sm_100"})
+
+
+def pairs_expected(variant: KernelVariant, dtype: torch.dtype, arch: str) -> bool:
+    """Whether a kernel's activation math must issue paired fp32 instructions:
+    on sm_100, for the kinds written over pairs, with fp32 math (fp64 storage
+    computes in fp64)."""
+    return arch in PAIRED_FP32_ARCHS and variant.kind in PAIRED_MATH_KINDS and dtype != torch.float64
+
+
+def paired_math_problems(code: KernelCode) -> list[str]:
+    """Issue 42's paired math on sm_100: the hot loop issues FADD2/FMUL2/FFMA2
+    (a kernel whose math NVRTC left scalar has none: it pairs nothing by itself)."""
+    if not code.hot_loop_paired:
+        return ["no paired fp32 instruction (FADD2/FMUL2/FFMA2) in the hot loop"]
+    return []
+
+
 def ratio_problems(code: KernelCode, goal: Goal) -> list[str]:
     if code.walk_error or code.instructions is None:
         return [f"no prediction: {code.walk_error or 'not walked'}"]
@@ -521,7 +543,8 @@ B/elem: DRAM bytes per h element (forward 3 es; backward 6 es: it writes h;
   No stall, latency or cache effect is modelled; a converged warp is assumed.
 local: LDL/STL instructions + ptxas stack/spill bytes. widths: global accesses in the hot
   loop (the grid-stride loop's body), bytes per lane. sect: useful/moved bytes of the
-  warp's accesses, per instruction (32-byte sectors). CALL: subroutine CALLs in the hot loop."""
+  warp's accesses, per instruction (32-byte sectors). CALL: subroutine CALLs in the hot loop.
+x2: paired fp32 instructions (FADD2/FMUL2/FFMA2: two lanes each, sm_100) in the hot loop."""
 
 
 def _widths(counter: Counter) -> str:
@@ -536,7 +559,7 @@ def format_report(codes: list[KernelCode]) -> str:
     part_names = [p.name for p in PARTS]
     header = (f"{'variant':<22} {'dtype':<8} {'arch':<6} {'kernel':<44} {'instr/el':>8} {'mufu/el':>7} "
               f"{'B/el':>6} " + " ".join(f"{p:>6}" for p in part_names) +
-              f" {'local':>5} {'sect':>5} {'CALL':>4}  widths")
+              f" {'local':>5} {'sect':>5} {'CALL':>4} {'x2':>4}  widths")
     lines = [REPORT_HEADER, "", header, "-" * len(header)]
     for c in codes:
         variant = "silu (SwiGLU)" if c.variant == DEFAULT_VARIANT else (c.variant.tag if c.variant else "-")
@@ -551,7 +574,7 @@ def format_report(codes: list[KernelCode]) -> str:
         local = len(c.local_accesses) + c.stack_bytes + c.spill_bytes
         sect = "-" if c.sector_efficiency is None else f"{c.sector_efficiency:.0%}"
         lines.append(f"{variant:<22} {dtype:<8} {c.arch:<6} {c.kernel:<44} {figures} {local:>5} {sect:>5} "
-                     f"{c.hot_loop_calls:>4}  {_widths(c.hot_loop_accesses)}"
+                     f"{c.hot_loop_calls:>4} {c.hot_loop_paired:>4}  {_widths(c.hot_loop_accesses)}"
                      + (f"  [walk: {c.walk_error}]" if c.walk_error else ""))
     return "\n".join(lines)
 
@@ -639,11 +662,17 @@ def summarize(codes: list[KernelCode]) -> str:
     over = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None and ratio_problems(c, g)]
     goals = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None
              and any(p in c.predictions for p in g.parts)]
+    unpaired = [c for c in codes if c.variant is not None and c.dtype is not None
+                and pairs_expected(c.variant, c.dtype, c.arch) and paired_math_problems(c)]
+    paired_due = [c for c in codes if c.variant is not None and c.dtype is not None
+                  and pairs_expected(c.variant, c.dtype, c.arch)]
     failed_walks = [c for c in codes if c.walk_error]
     lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
              f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
              f"{len(calls)} CALL a subroutine in the hot loop; {len(over)} of {len(goals)} default-launch "
-             f"kernels exceed their issue/memory goal" + (f"; {len(failed_walks)} not walked" if failed_walks else "")]
+             f"kernels exceed their issue/memory goal; {len(unpaired)} of {len(paired_due)} sm_100 kernels with "
+             f"paired math issue no paired fp32 instruction in the hot loop"
+             + (f"; {len(failed_walks)} not walked" if failed_walks else "")]
     return "\n".join(lines)
 
 
