@@ -176,7 +176,7 @@ def test_paired_fp32_math_on_sm100(job, kernel):
 
 def test_paired_math_stays_scalar_where_the_arch_has_none():
     """sm_90's code of the same kernels is the FloatPair operators' scalar
-    twins: no paired instruction, and every instruction count as before."""
+    twins: no paired instruction in any kernel."""
     codes = module_codes((DEFAULT_VARIANT, torch.bfloat16, "sm_90"))
     assert codes and all(c.hot_loop_paired == 0 for c in codes.values())
 

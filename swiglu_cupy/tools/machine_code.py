@@ -662,10 +662,9 @@ def summarize(codes: list[KernelCode]) -> str:
     over = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None and ratio_problems(c, g)]
     goals = [c for c in codes if (g := goal_for(c.variant, c.dtype, c.kernel)) is not None
              and any(p in c.predictions for p in g.parts)]
-    unpaired = [c for c in codes if c.variant is not None and c.dtype is not None
-                and pairs_expected(c.variant, c.dtype, c.arch) and paired_math_problems(c)]
     paired_due = [c for c in codes if c.variant is not None and c.dtype is not None
                   and pairs_expected(c.variant, c.dtype, c.arch)]
+    unpaired = [c for c in paired_due if paired_math_problems(c)]
     failed_walks = [c for c in codes if c.walk_error]
     lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
              f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
