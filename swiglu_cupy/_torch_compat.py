@@ -34,6 +34,13 @@ is_functorch_wrapped = _private(torch._C._functorch, "is_functorch_wrapped_tenso
 functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_active", lambda: False,
                                        "torch.func transforms of the fused op may fail under no_grad")
 
+# True while autocast is on for any device type: one C call with no argument,
+# where asking for the input's device type first builds a torch.device and
+# parses its name. If it goes: every call asks for its device type (a speed
+# loss only, never a missed autocast).
+any_autocast_enabled = _private(torch._C, "_is_any_autocast_enabled", lambda: True,
+                                "each fused call checks autocast for its device type (slower)")
+
 # torch.autograd.Function.apply is Python code that binds default arguments
 # with inspect.signature (~15 us a call) and then calls this C++ apply; the
 # lean apply calls it directly. If torch moves the C++ base class, the lean

@@ -26,6 +26,15 @@ def test_functorch_transforms_active_only_inside_a_transform():
         "torch._C._are_functorch_transforms_active changed meaning")
 
 
+def test_any_autocast_enabled_sees_autocast_on_any_device_type():
+    assert compat.any_autocast_enabled() is False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compat.any_autocast_enabled() is True, "torch._C._is_any_autocast_enabled changed meaning"
+        with torch.autocast("cpu", enabled=False):
+            assert compat.any_autocast_enabled() is False
+    assert compat.any_autocast_enabled() is False
+
+
 def test_cpp_apply_records_the_same_graph_as_apply():
     class Double(torch.autograd.Function):
         @staticmethod

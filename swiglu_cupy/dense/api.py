@@ -14,7 +14,8 @@ import sys
 import torch
 
 from .. import _validation as check
-from .._autograd import graph_needed, under_autocast
+from .._autograd import under_autocast
+from .._torch_compat import any_autocast_enabled
 from .._tile_size import resolve_tile_rows
 from .._validation import Role
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
@@ -35,17 +36,19 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
     autocast every input is first cast to the autocast dtype, like nn.Linear,
     and the Function runs with autocast off (it picks its own precision)."""
     x = args[0]
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return under_autocast(device_type, args, lambda cast: _run(cast, options, tile_rows))
+    if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
+        return under_autocast(x.device.type, args, lambda cast: _run(cast, options, tile_rows))
     # Untiled (the default) costs nothing more on this per-call path.
     tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
                                                          args[5].shape[1], x.dtype)
     path = eager_path(x, options.activation)  # kernels or torch, decided once for this call
-    if graph_needed():
+    # Traced or transformed (no path), a graph is always recorded; eager, when grad mode is on.
+    if path is None or torch.is_grad_enabled():
         if options.saved_x12_fp8:
             check.check_fp8_compute_dtype(x.dtype)
-        return SwiGLUFunction.apply(*args, _with_path(options, path), not torch.is_grad_enabled(), tile)[0]
+        if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
+            return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
+        return SwiGLUFunction.apply(*args, _with_path(options, path), False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
     return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager

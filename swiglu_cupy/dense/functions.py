@@ -20,12 +20,13 @@ validated once by the public API (``api.py``); nothing here checks them.
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple
 
 import torch
 
 from .._autograd import LeanApplyFunction, first_order_backward, mark_saved_only
-from .._torch_compat import is_transformed
+from .._torch_compat import is_functorch_wrapped, is_transformed
 from ..activations import SILU, GLUActivation
 from ..primitives import dispatch, route
 from ..primitives.dispatch import batch_first
@@ -62,8 +63,9 @@ class SwiGLUFunction(LeanApplyFunction):
 
     ``apply(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows) -> (y, x12)``
     (all ten positional and required; ``swiglu`` and ``swiglu_unpacked`` are the public entry points
-    and return ``y``; with ``options.path`` set and separate weights: ``(y, gate, up)``, see
-    :func:`swiglu_forward_pass`):
+    and return ``y``). With ``options.path`` set (the API's eager calls) it returns ``y`` alone
+    and saves x12 (or, separate weights, gate and up: :func:`swiglu_forward_pass`) without
+    returning it:
     - packed weights: ``w2 = b2 = None`` and ``w1``/``b1`` are ``w12 [2H, D]``
       and ``b12 [2H]``; separate weights: ``w1``, ``w2`` are ``[H, D]``.
     - ``options``: a :class:`SwiGLUOptions`, the call's settings, decided once
@@ -91,89 +93,103 @@ class SwiGLUFunction(LeanApplyFunction):
     The second output ``x12`` is returned only so that ``setup_context`` can
     save it (torch.func requires saved tensors to be inputs or outputs); it is
     non-differentiable and its content is unspecified after ``inference``.
+    The eager form has no such output: each extra output costs torch's apply
+    ~2 us per call, and eager saving takes any tensor.
     """
 
     @staticmethod
     def forward(x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
         path = options.path  # decided by the API for this call: eager, so out= buffers are fine
-        return swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference,
-                                   path is None and _gemm.functional(x), options.saved_x12_fp8, tile_rows, path,
-                                   options.inplace_backward)
+        outputs = swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, options.activation, inference,
+                                      path is None and _gemm.functional(x), options.saved_x12_fp8, tile_rows, path,
+                                      options.inplace_backward)
+        if path is None:
+            return outputs  # traced or transformed: what is saved must be an output
+        _eager_saved.tensors = outputs[1:]  # eager: y alone is returned, setup_context saves these
+        return outputs[0]
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows = inputs
-        mark_saved_only(ctx, *output[1:])
+        if options.path is None:
+            saved = output[1:]
+            mark_saved_only(ctx, *saved)
+        else:  # handed over by this thread's forward, just before
+            saved, _eager_saved.tensors = _eager_saved.tensors, None
         if inference:
             return  # no graph is recorded under no_grad, so nothing can be saved
-        ctx.tile_rows, ctx.tile_grads_fp32 = tile_rows, options.tile_grads_fp32
+        ctx.options, ctx.tile_rows = options, tile_rows
         if tile_rows:  # x, the weights and the tiles' 8-bit x12 (empty: recomputed per tile)
-            ctx.save_for_backward(x, w1, b1, w2, b2, w3, output[1])
+            ctx.save_for_backward(x, w1, b1, w2, b2, w3, saved[0])
         elif options.recompute_gate_up:
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
         else:  # x12, or gate and up apart (``swiglu_forward_pass``)
-            ctx.save_for_backward(x, w1, w2, w3, *output[1:])
-        ctx.activation = options.activation
-        ctx.recompute_gate_up = options.recompute_gate_up
-        ctx.inplace_backward = options.inplace_backward
-        ctx.saved_x12_fp8 = options.saved_x12_fp8
-        ctx.backward_done = False
+            ctx.save_for_backward(x, w1, w2, w3, *saved)
+        if options.inplace_backward:
+            ctx.backward_done = False
 
     @staticmethod
     @first_order_backward
     def backward(ctx, dy, *_saved_only_grads):
         if dy is None:  # y's gradient is undefined (grads are not materialised): nothing flows back
             return (None,) * 10
-        if ctx.inplace_backward and ctx.backward_done and not ctx.tile_rows:
-            raise RuntimeError(
-                "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
-                "backward overwrote the saved x12; a second backward (retain_graph=True) "
-                "cannot run. Use inplace_backward=False to backpropagate more than once.")
-        ctx.backward_done = True
+        options = ctx.options
+        if options.inplace_backward:
+            if ctx.backward_done and not ctx.tile_rows:
+                raise RuntimeError(
+                    "swiglu_cupy: this graph was built with inplace_backward=True, whose first "
+                    "backward overwrote the saved x12; a second backward (retain_graph=True) "
+                    "cannot run. Use inplace_backward=False to backpropagate more than once.")
+            ctx.backward_done = True
+        activation = options.activation
         if ctx.tile_rows:
             x, w1, b1, w2, b2, w3, saved = ctx.saved_tensors
             grads = tiled_passes.tiled_backward(dy.reshape(-1, w3.shape[0]), x.reshape(-1, x.shape[-1]), w1, b1,
-                                                w2, b2, w3, saved, ctx.activation, ctx.tile_rows,
-                                                ctx.needs_input_grad[:7], ctx.tile_grads_fp32, x.shape)
+                                                w2, b2, w3, saved, activation, ctx.tile_rows,
+                                                ctx.needs_input_grad[:7], options.tile_grads_fp32, x.shape)
             return (*grads,) + (None,) * 3
-        if ctx.recompute_gate_up:
+        if options.recompute_gate_up:
             x, w1, b1, w2, b2, w3 = ctx.saved_tensors
-            x2d = x.reshape(-1, x.shape[-1])
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             x12 = _gemm.gate_up(x2d, w1, b1, w2, b2, _gemm.functional(x2d))  # extra GEMM
         else:
             x, w1, w2, w3, *saved = ctx.saved_tensors
-            x2d = x.reshape(-1, x.shape[-1])
+            x2d = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             x12 = saved[0] if len(saved) == 1 else None  # else gate and up apart
         need_x, need_w1, need_b1, need_w2, need_b2, need_w3, need_b3 = ctx.needs_input_grad[:7]
-        dy2d = dy.reshape(-1, w3.shape[0])
+        dy2d = dy if dy.dim() == 2 else dy.reshape(-1, w3.shape[0])
         dh = torch.mm(dy2d, w3)                                            # GEMM 1
-        # In-place reuse is always safe for the recomputed x12 (nobody else
-        # holds it), but not under torch.func, where dh may carry a vmap batch.
-        # Decided once for this backward (None: traced or transformed, route decides per primitive).
-        path = None if is_transformed(dh if x12 is None else x12) else dispatch.eager_path(dh, ctx.activation)
+        # Decided once for this backward (None: traced or transformed, route decides per primitive;
+        # also for an x12 left wrapped by a transform).
+        path = dispatch.eager_path(dh, activation)
+        if path is not None and x12 is not None and is_functorch_wrapped(x12):
+            path = None
         if x12 is None and (path is None or not path.halves_apart):
             x12 = torch.cat(saved, dim=1)  # backward runs where the forward's kernels do not: one x12
         if x12 is None:
             dx12, h = path.backward_halves(*saved, dh)
-        elif ctx.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
-            dx12, h = (route.backward_fp8(x12, dh, ctx.activation) if path is None
+        elif options.saved_x12_fp8:  # x12 is the 8-bit saved tensor: dequantized in the same pass
+            dx12, h = (route.backward_fp8(x12, dh, activation) if path is None
                        else path.backward_fp8(x12, dh))
         else:
-            inplace = (ctx.inplace_backward or ctx.recompute_gate_up) and not is_transformed(dh)
-            dx12, h = (route.backward(x12, dh, inplace, ctx.activation) if path is None  # one fused pass
+            # In-place reuse is always safe for the recomputed x12 (nobody else
+            # holds it), but not under torch.func, where dh may carry a vmap batch.
+            inplace = (options.inplace_backward or options.recompute_gate_up) and (
+                path is not None or not is_transformed(dh))
+            dx12, h = (route.backward(x12, dh, inplace, activation) if path is None  # one fused pass
                        else path.backward(x12, dh, inplace))
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
-        H = dh.shape[1]
         if need_x:
             dx = _gemm.input_grad(dx12, w1, w2, x.shape)                   # GEMM 2 (and 3 unpacked)
+        # .T and chunk: one cheap call each (.t() and each slice cost the argument parser ~1 us)
         if need_w1 or need_w2:
-            dw12 = torch.mm(dx12.t(), x2d)                                 # GEMM
-            dw1, dw2 = (dw12, None) if w2 is None else (dw12[:H], dw12[H:])
+            dw12 = torch.mm(dx12.T, x2d)                                   # GEMM
+            dw1, dw2 = (dw12, None) if w2 is None else dw12.chunk(2)
         if need_b1 or need_b2:
             db12 = dx12.sum(0)
-            db1, db2 = (db12, None) if w2 is None else (db12[:H], db12[H:])
+            db1, db2 = (db12, None) if w2 is None else db12.chunk(2)
         if need_w3:
-            dw3 = torch.mm(dy2d.t(), h)                                    # GEMM
+            dw3 = torch.mm(dy2d.T, h)                                      # GEMM
         if need_b3:
             db3 = dy2d.sum(0)
         return dx, dw1, db1, dw2, db2, dw3, db3, None, None, None
@@ -182,6 +198,14 @@ class SwiGLUFunction(LeanApplyFunction):
     def vmap(info, in_dims, x, w1, b1, w2, b2, w3, b3, options, inference, tile_rows):
         # in_dims[:7]: the tensors' (the options, a named tuple, has one per field, all None).
         return _swiglu_vmap_rule(info, in_dims[:7], (x, w1, b1, w2, b2, w3, b3), (options, inference, tile_rows))
+
+
+#: The eager forward's tensors to save, handed to ``setup_context``: torch's apply calls
+#: the two back to back on one thread, so one slot per thread holds them in between. A
+#: second output would carry them instead, at ~2 us more per call (torch.func needs that
+#: form: saved tensors must be inputs or outputs there, so the traced and transformed
+#: forward returns them).
+_eager_saved = threading.local()
 
 
 def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, is_functional: bool,
