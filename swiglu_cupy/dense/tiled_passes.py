@@ -37,7 +37,7 @@ __all__ = ["tiled_forward", "tiled_backward"]
 def _workspace(tile: int, width: int, like: torch.Tensor, is_functional: bool) -> torch.Tensor | None:
     """One [tile, width] buffer for every tile of a call (None under tracing):
     made once, not per tile (on the CPU a fresh large buffer costs its page faults)."""
-    return None if is_functional else torch.empty((tile, width), dtype=like.dtype, device=like.device)
+    return None if is_functional else like.new_empty(tile, width)
 
 
 def _rows_of(workspace: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
@@ -56,7 +56,7 @@ def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference:
     y_rows = None if y is None else y.view(M, O)
     saved = None
     if fp8 and not is_functional:
-        saved = torch.empty((M, saved_row_bytes(H, activation.interleaved)), dtype=torch.uint8, device=x2d.device)
+        saved = torch.empty(M, saved_row_bytes(H, activation.interleaved), dtype=torch.uint8, device=x2d.device)
     y_parts, saved_parts = [], []
     workspace = _workspace(tile, 2 * H, x2d, is_functional)
     for rows in tile_slices(M, tile):
@@ -79,7 +79,7 @@ def tiled_forward(x2d, w1, b1, w2, b2, w3, b3, activation, tile: int, inference:
         y = torch.cat(y_parts)
         y = y if out_shape is None else y.view(out_shape)
         saved = torch.cat(saved_parts) if fp8 else None
-    return y, (saved if saved is not None else x2d.new_empty((M, 0)))  # [M, 0]: rows for a vmap rule to split
+    return y, (saved if saved is not None else x2d.new_empty(M, 0))  # [M, 0]: rows for a vmap rule to split
 
 
 def tiled_backward(dy2d, x2d, w1, b1, w2, b2, w3, saved, activation, tile: int, needs, grads_fp32: bool,

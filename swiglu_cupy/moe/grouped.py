@@ -173,7 +173,7 @@ def _rows_linear(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, gr
         if bias is not None:  # grouped_mm's bias= is refused on CPU
             result.add_(bias.index_select(0, groups.row_expert()))
         return result
-    out = a.new_empty((a.shape[0], b.shape[2])) if out is None else out
+    out = a.new_empty(a.shape[0], b.shape[2]) if out is None else out
     for e, (s, t) in enumerate(groups.bounds):
         if t > s:
             if bias is None:
@@ -210,7 +210,7 @@ def _gate_up_rows(rows, w12, w_up, b12, transposed: bool, groups: _Groups) -> to
         return _rows_linear(rows, _kn(w12, transposed), b12, groups)
     gate, up = _kn(w12, transposed), _kn(w_up, transposed)
     I = gate.shape[2]
-    x12 = rows.new_empty((rows.shape[0], 2 * I))
+    x12 = rows.new_empty(rows.shape[0], 2 * I)
     _rows_linear(rows, gate, None if b12 is None else b12[:, :I], groups, out=x12[:, :I])
     _rows_linear(rows, up, None if b12 is None else b12[:, I:], groups, out=x12[:, I:])
     return x12
@@ -260,7 +260,7 @@ def _forward_body(x, offsets, w12, b12, w3, b3, rw, activation: GLUActivation, t
         h, x12 = dispatch.run_swiglu_forward_fp8(x12, None, None, activation)
     else:
         # One launch over every row; the buffer lets the CPU path work in cache-sized row blocks.
-        h = dispatch.run_swiglu_forward(x12, x12.new_empty((x12.shape[0], x12.shape[1] // 2)), None, None, activation)
+        h = dispatch.run_swiglu_forward(x12, x12.new_empty(x12.shape[0], x12.shape[1] // 2), None, None, activation)
     z = _rows_linear(h, _kn(w3, transposed), b3, groups)                     # GEMM 2
     if rw is not None:
         w = rw.unsqueeze(1)
@@ -353,12 +353,12 @@ def _(x, offsets, w12, b12, w3, b3, rw, kind, limit, alpha, up_offset, interleav
     two_i = (w12.shape[2] if transposed else w12.shape[1]) * (1 if w_up is None else 2)
     rows = x.shape[0] if perm is None else perm.shape[0]
     if combine_dtype is not None:
-        y = x.new_empty((x.shape[0], x.shape[1]), dtype=combine_dtype)
+        y = x.new_empty(x.shape[0], x.shape[1], dtype=combine_dtype)
     else:
-        y = x.new_empty((rows, x.shape[1]), dtype=x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype))
+        y = x.new_empty(rows, x.shape[1], dtype=x.dtype if rw is None else torch.promote_types(x.dtype, rw.dtype))
     if fp8:
-        return y, x.new_empty((rows, saved_row_bytes(two_i // 2, interleaved)), dtype=torch.uint8)
-    return y, x.new_empty((rows, two_i))
+        return y, x.new_empty(rows, saved_row_bytes(two_i // 2, interleaved), dtype=torch.uint8)
+    return y, x.new_empty(rows, two_i)
 
 
 @torch.library.custom_op("swiglu_cupy::moe_experts_backward", mutates_args=())
@@ -438,17 +438,17 @@ def _tiled_forward(x, offsets, w12, b12, w3, b3, rw, activation, transposed, tai
                 saved_parts.append(x12_t)
         else:
             if y is None:
-                y = y_t.new_empty((x.shape[0] if combine_dtype is not None else rows_total, y_t.shape[1]))
+                y = y_t.new_empty(x.shape[0] if combine_dtype is not None else rows_total, y_t.shape[1])
             y[out_rows].copy_(y_t)
             if fp8:
                 if saved is None:
-                    saved = x12_t.new_empty((rows_total, x12_t.shape[1]))
+                    saved = x12_t.new_empty(rows_total, x12_t.shape[1])
                 saved[rows].copy_(x12_t)
         del y_t, x12_t  # freed before the next tile's workspace is made
     if functional:
         y = torch.cat(y_parts)
         saved = torch.cat(saved_parts) if fp8 else None
-    return y, (saved if saved is not None else x.new_empty((rows_total, 0)))
+    return y, (saved if saved is not None else x.new_empty(rows_total, 0))
 
 
 def _tiled_backward(dy, x, saved, offsets, w12, b12, w3, b3, rw, activation, transposed, tail, needs, perm, top_k,

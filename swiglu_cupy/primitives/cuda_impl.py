@@ -208,10 +208,12 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
     return limit, scalar(activation.alpha), scalar(activation.up_offset), grad_bound
 
 
-def _unit_rows(t: torch.Tensor) -> torch.Tensor:
-    """An output the kernels can write (unit inner stride): ``t`` itself, or a
-    contiguous stand-in that :func:`_copy_back` copies to ``t`` after."""
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
+def _unit_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """An output the kernels can write (unit inner stride) and its row stride:
+    ``t`` itself, or a contiguous stand-in that :func:`_copy_back` copies to
+    ``t`` after."""
+    ld, step = t.stride()  # one call for both (each stride(i) call parses its argument)
+    return (t, ld) if step == 1 or t.shape[1] <= 1 else (t.contiguous(), t.shape[1])
 
 
 def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
@@ -224,18 +226,20 @@ def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Ten
                             launcher=None, launch_config: LaunchConfig | None = None,
                             activation: GLUActivation = SILU) -> torch.Tensor:
     # ``_rows_view`` and ``_copy_back`` inline: separate weights' gate and up take this hot path.
-    if gate.stride(1) != 1 and gate.shape[1] > 1:
-        gate = gate.contiguous()
-    if up.stride(1) != 1 and up.shape[1] > 1:
-        up = up.contiguous()
     M, H = gate.shape
+    gate_ld, step = gate.stride()  # one call for both (each stride(i) call parses its argument)
+    if step != 1 and H > 1:
+        gate, gate_ld = gate.contiguous(), H
+    up_ld, step = up.stride()
+    if step != 1 and H > 1:
+        up, up_ld = up.contiguous(), H
     if out is None:
-        h = target = gate.new_empty((M, H))
+        h = target = gate.new_empty(M, H)
+        h_ld = H
     else:
-        h, target = out, _unit_rows(out)
+        h, (target, h_ld) = out, _unit_rows(out)
     launch_plan("swiglu_forward", activation, gate.dtype, launch_config).launch_rows(
-        launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()),
-        (gate.stride(0), up.stride(0), target.stride(0)))
+        launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()), (gate_ld, up_ld, h_ld))
     if target is not h:
         h.copy_(target)
     return h
@@ -247,13 +251,13 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
                              activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
     M, H = gate.shape
-    dgate = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if dgate_out is None else dgate_out
-    dup = torch.empty((M, H), dtype=gate.dtype, device=gate.device) if dup_out is None else dup_out
-    dgate_target, dup_target = _unit_rows(dgate), _unit_rows(dup)
+    dgate = gate.new_empty(M, H) if dgate_out is None else dgate_out
+    dup = gate.new_empty(M, H) if dup_out is None else dup_out
+    (dgate_target, dgate_ld), (dup_target, dup_ld) = _unit_rows(dgate), _unit_rows(dup)
     launch_plan("swiglu_backward", activation, gate.dtype, launch_config).launch_rows(
         launcher, gate, M, H,
         (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dgate_target.data_ptr(), dup_target.data_ptr(), 0),
-        (gate.stride(0), up.stride(0), dh.stride(0), dgate_target.stride(0), dup_target.stride(0), 0))
+        (gate.stride(0), up.stride(0), dh.stride(0), dgate_ld, dup_ld, 0))
     _copy_back(dgate_target, dgate)
     _copy_back(dup_target, dup)
     return dgate, dup
@@ -264,20 +268,23 @@ def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=
                           activation: GLUActivation = SILU) -> torch.Tensor:
     """h [M, H] from x12 [M, 2H]. Halves: gate and up are x12's pointer and
     the one H elements on, with x12's row stride (no views are made)."""
-    if x12.stride(1) != 1 and x12.shape[1] > 1:
+    M, N = x12.shape
+    ld, step = x12.stride()  # one call for both (each stride(i) call parses its argument)
+    if step != 1 and N > 1:
         x12 = x12.contiguous()  # the kernels step rows, not columns (``_rows_view``, inline on this hot path)
-    M, H = x12.shape[0], x12.shape[1] // 2
-    if out is None:
-        h = target = x12.new_empty((M, H))
+        ld = N
+    H = N // 2
+    if out is None:  # sizes as separate ints: a tuple costs torch's argument parser ~1 us more
+        h = target = x12.new_empty(M, H)
+        h_ld = H
     else:
-        h, target = out, _unit_rows(out)
+        h, (target, h_ld) = out, _unit_rows(out)
     plan = launch_plan("swiglu_forward", activation, x12.dtype, launch_config)
-    x, ld = x12.data_ptr(), x12.stride(0)
+    x = x12.data_ptr()
     if activation.interleaved:
-        plan.launch_rows(launcher, x12, M, H, (x, target.data_ptr()), (ld, target.stride(0)))
+        plan.launch_rows(launcher, x12, M, H, (x, target.data_ptr()), (ld, h_ld))
     else:
-        plan.launch_rows(launcher, x12, M, H, (x, x + H * plan.itemsize, target.data_ptr()),
-                         (ld, ld, target.stride(0)))
+        plan.launch_rows(launcher, x12, M, H, (x, x + H * plan.itemsize, target.data_ptr()), (ld, ld, h_ld))
     if target is not h:
         h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
@@ -287,22 +294,28 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
                            launcher=None, launch_config: LaunchConfig | None = None,
                            activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h) from x12 and dh; dx12 may be x12 itself (in place)."""
-    x12, dh = _rows_view(x12), _rows_view(dh)
-    M, H = x12.shape[0], x12.shape[1] // 2
+    M, N = x12.shape
+    ld, step = x12.stride()  # one call for both (each stride(i) call parses its argument)
+    if step != 1 and N > 1:
+        x12, ld = x12.contiguous(), N
+    H = N // 2
+    dh_ld, step = dh.stride()
+    if step != 1 and H > 1:
+        dh, dh_ld = dh.contiguous(), H
     if dx12_out is None:
-        dx12 = target = x12.new_empty((M, 2 * H))
+        dx12 = target = x12.new_empty(M, N)
+        dx_ld = N
     else:
-        dx12, target = dx12_out, _unit_rows(dx12_out)
-    h = x12.new_empty((M, H))
+        dx12, (target, dx_ld) = dx12_out, _unit_rows(dx12_out)
+    h = x12.new_empty(M, H)
     plan = launch_plan("swiglu_backward", activation, x12.dtype, launch_config)
-    x, ld, dx, dx_ld = x12.data_ptr(), x12.stride(0), target.data_ptr(), target.stride(0)
+    x, dx = x12.data_ptr(), target.data_ptr()
     if activation.interleaved:
-        plan.launch_rows(launcher, x12, M, H, (x, dh.data_ptr(), dx, h.data_ptr()),
-                         (ld, dh.stride(0), dx_ld, h.stride(0)))
+        plan.launch_rows(launcher, x12, M, H, (x, dh.data_ptr(), dx, h.data_ptr()), (ld, dh_ld, dx_ld, H))
     else:
         up = H * plan.itemsize
         plan.launch_rows(launcher, x12, M, H, (x, x + up, dh.data_ptr(), dx, dx + up, h.data_ptr()),
-                         (ld, ld, dh.stride(0), dx_ld, dx_ld, h.stride(0)))
+                         (ld, ld, dh_ld, dx_ld, dx_ld, H))
     if target is not dx12:
         dx12.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return dx12, h
@@ -316,8 +329,8 @@ def launch_swiglu_backward_halves(gate: torch.Tensor, up: torch.Tensor, dh: torc
     and row stride for each half."""
     gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
     M, H = gate.shape
-    dx12 = gate.new_empty((M, 2 * H))
-    h = gate.new_empty((M, H))
+    dx12 = gate.new_empty(M, 2 * H)
+    h = gate.new_empty(M, H)
     plan = launch_plan("swiglu_backward", activation, gate.dtype, launch_config)
     dx = dx12.data_ptr()
     plan.launch_rows(launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx, dx + H * plan.itemsize,
@@ -351,7 +364,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
     check_fp8_compute_dtype(x12.dtype)  # float64's modules hold no 8-bit kernels
     x12 = _rows_view(x12)
     M, H = x12.shape[0], x12.shape[1] // 2
-    h = torch.empty((M, H), dtype=x12.dtype, device=x12.device)
+    h = x12.new_empty(M, H)
     saved = saved_x12.new_saved(M, H, activation.interleaved, x12.device)
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
     tail = [pointer(q), pointer(scales), i64(M), i64(H)]
@@ -377,8 +390,8 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
     if saved.stride(0) != saved.shape[1] or saved.data_ptr() % 4:
         saved = saved.contiguous()  # rows of whole 4-byte scales (a view of it need not be)
     q, scales = saved_x12.saved_views(saved, H, activation.interleaved)
-    dx12 = torch.empty((M, 2 * H), dtype=dh.dtype, device=dh.device)
-    h = torch.empty((M, H), dtype=dh.dtype, device=dh.device)
+    dx12 = dh.new_empty(M, 2 * H)
+    h = dh.new_empty(M, H)
     head = [pointer(q), pointer(scales), pointer(dh)]
     strides = [i64(saved.stride(0)), i64(saved.stride(0) // 4), i64(_leading_dim(dh))]
     if activation.interleaved:

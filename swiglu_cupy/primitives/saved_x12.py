@@ -52,7 +52,7 @@ def saved_row_bytes(H: int, interleaved: bool) -> int:
 
 def new_saved(M: int, H: int, interleaved: bool, device) -> torch.Tensor:
     """A saved tensor to fill; its row padding (odd H: 2 bytes) is zeroed, so every byte is defined."""
-    saved = torch.empty((M, saved_row_bytes(H, interleaved)), dtype=torch.uint8, device=device)
+    saved = torch.empty(M, saved_row_bytes(H, interleaved), dtype=torch.uint8, device=device)
     if _scales_start(H) > 2 * H:
         saved[:, 2 * H:_scales_start(H)].zero_()
     return saved
