@@ -131,7 +131,7 @@ def check_fp8_compute_dtype(dtype: torch.dtype) -> None:
 
 
 def reject_jit() -> None:
-    if torch.jit.is_tracing() or torch.jit.is_scripting():
+    if torch.jit.is_tracing():  # (is_scripting is False wherever this Python runs: not asked, a frame less)
         raise RuntimeError(
             "swiglu_cupy does not support TorchScript (torch.jit.trace / torch.jit.script): its "
             "kernels run from Python. Use torch.export.export (or torch.compile) instead.")

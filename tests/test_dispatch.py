@@ -17,19 +17,22 @@ D, H = 16, 24
 
 
 def _counting(monkeypatch):
-    """Counts of ``path_for`` (every decision) and of the per-primitive entry (never on the dense eager path)."""
+    """Counts of the decisions (each looks its path up in ``dispatch._PATHS``, from
+    ``eager_path`` or ``path_for``) and of the per-primitive entry (never on the
+    dense eager path)."""
     counts = {"decisions": 0, "per_primitive": 0}
-    real_path_for, real_launcher = dispatch.path_for, dispatch._kernel_launcher
+    real_launcher = dispatch._kernel_launcher
 
-    def path_for(*a, **k):
-        counts["decisions"] += 1
-        return real_path_for(*a, **k)
+    class CountedPaths(dict):
+        def get(self, key, default=None):
+            counts["decisions"] += 1
+            return super().get(key, default)
 
     def kernel_launcher(*a, **k):
         counts["per_primitive"] += 1
         return real_launcher(*a, **k)
 
-    monkeypatch.setattr(dispatch, "path_for", path_for)
+    monkeypatch.setattr(dispatch, "_PATHS", CountedPaths(dispatch._PATHS))
     monkeypatch.setattr(dispatch, "_kernel_launcher", kernel_launcher)
     return counts
 

@@ -228,15 +228,15 @@ def test_bench_host_cost_refuses_device_cuda(tmp_path, capsys):
 #: object, 29 before the call's path was decided once at the API, 23 before the
 #: row launches' cached arguments; a patched LlamaMLP 33/48/33 before its gate and
 #: up stayed two tensors; a backward's first-order guard is one package frame in place
-#: of torch's four; SwiGLU 22/37/19 before the eager Function returned y alone and the
-#: API decided grad mode with the path). The limits
+#: of torch's four; SwiGLU 22/37/19 before the eager Function returned y alone, the
+#: API decided grad mode with the path and the hottest lookups and GEMMs ran inline). The limits
 #: are today's counts: a regression fails here, an improvement should lower
 #: them. Experts: the most over several calls (the routing, and with it the
 #: groups launched, changes per call).
 FRAME_BUDGET = {  # entry point -> (forward, forward+backward, no_grad forward)
-    "SwiGLU": (20, 31, 17),
-    "swiglu": (19, 30, 16),
-    "patched LlamaMLP": (28, 42, 25),
+    "SwiGLU": (16, 26, 14),
+    "swiglu": (15, 25, 13),
+    "patched LlamaMLP": (24, 37, 22),
     "patched experts": (72, 135, 72),
 }
 

@@ -48,7 +48,8 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
             check.check_fp8_compute_dtype(x.dtype)
         if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
             return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
-        return SwiGLUFunction.apply(*args, _with_path(options, path), False, tile)
+        bound = _BOUND.get((id(options), id(path)))  # ``_with_path``'s lookup inline: a frame less per call
+        return SwiGLUFunction.apply(*args, _with_path(options, path) if bound is None else bound[2], False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
     return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
@@ -60,10 +61,9 @@ _BOUND: dict[tuple, tuple] = {}
 
 
 def _with_path(options: SwiGLUOptions, path) -> SwiGLUOptions:
-    if path is None:
-        return options
+    """``options`` bound to ``path`` (a non-None path), made once per pair."""
     entry = _BOUND.get((id(options), id(path)))
-    if entry is None or entry[0] is not options or entry[1] is not path:
+    if entry is None:  # else these very objects: the entry keeps them alive, and live objects' ids are unique
         if len(_BOUND) >= 1024:
             _BOUND.clear()
         entry = _BOUND[(id(options), id(path))] = (options, path, options._replace(path=path))
@@ -94,7 +94,7 @@ def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_ro
         key = (activation if named else id(activation), recompute_gate_up, inplace_backward, saved_x12,
                tile_grads_fp32, halves_only)
         entry = _OPTIONS.get(key)
-        options = entry[1] if entry is not None and (named or entry[0] is activation) else None
+        options = None if entry is None else entry[1]  # a spec's entry holds it: its id is its own
     if options is None:
         check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
                           tile_grads_fp32=tile_grads_fp32)

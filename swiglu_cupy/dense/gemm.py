@@ -48,12 +48,6 @@ def gate_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2, b2, is_functional: bool
     return x12
 
 
-def gate_and_up(x2d: torch.Tensor, w1: torch.Tensor, b1, w2: torch.Tensor, b2) -> tuple[torch.Tensor, torch.Tensor]:
-    """Separate weights' gate and up as two tensors (no x12 buffer to allocate
-    and split: the no-grad path writes h over gate)."""
-    return F.linear(x2d, w1, b1), F.linear(x2d, w2, b2)
-
-
 def down(h: torch.Tensor, w3: torch.Tensor, b3, out_shape, is_functional: bool) -> torch.Tensor:
     """y = h @ w3.T + b3 in ``out_shape`` (None: 2-D x, y is the GEMM's own
     output), allocated in that shape (not a view, which FSDP2 warns about)

@@ -82,11 +82,13 @@ def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward
                tile_rows=None):
     """The whole MLP in the fused op, the weights used in place (views)."""
     wd, bd = linear_params(mods[plan.down])
+    if plan.packed is None:  # the usual HF MLP: its modes passed as they are (no dict to build and unpack)
+        (wg, bg), (wu, bu) = linear_params(mods[plan.gate]), linear_params(mods[plan.up])
+        return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation,
+                               recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
+                               saved_x12=saved_x12, tile_rows=tile_rows)
     modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12,
                  tile_rows=tile_rows)
-    if plan.packed is None:
-        (wg, bg), (wu, bu) = linear_params(mods[plan.gate]), linear_params(mods[plan.up])
-        return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation, **modes)
     w, b = linear_params(mods[plan.packed])
     if plan.order in ("gate_first", "interleaved"):
         return swiglu(x, w, b, wd, bd, activation=plan.packed_activation, **modes)
@@ -132,7 +134,7 @@ def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
 _FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
 
 
-def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple:
+def _fusion_state(module: nn.Module, plan: GLUPlan) -> list:
     """Everything the fusion depends on, cheap to read at each call: the plan,
     torch's global module hooks, each projection's identity, class, whether
     it has a forward of its own, and its hooks, and each module between the
@@ -143,16 +145,20 @@ def _fusion_state(module: nn.Module, plan: GLUPlan) -> tuple:
     mods = module._modules
     ds = _zero3() if "deepspeed" in sys.modules else None  # the check inline: no call per forward without it
     # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
-    state = (plan, global_module_hooks_active(), ds is not None and ds.zero3_leaf(module))
+    # A list, extended in place (each tuple concatenation copies the tuple so far).
+    state = [plan, global_module_hooks_active(), ds is not None and ds.zero3_leaf(module)]
     for name in plan.projections:
         # A reused id (a child replaced by another) shows the class, forward and hooks the
-        # decision reads, which is all it reads.
+        # decision reads, which is all it reads. Read from the instance dict: every nn.Module
+        # has its four hook dicts there, and an attribute lookup each costs more per call.
         m = mods.get(name)
-        hooked = bool(m._forward_pre_hooks or m._forward_hooks or m._backward_pre_hooks or m._backward_hooks)
+        attrs = m.__dict__
+        pre, post, bpre, bpost = (attrs["_forward_pre_hooks"], attrs["_forward_hooks"],
+                                  attrs["_backward_pre_hooks"], attrs["_backward_hooks"])
+        hooked = bool(pre or post or bpre or bpost)
         if hooked and ds is not None:
-            hooked = (tuple(m._forward_pre_hooks), tuple(m._forward_hooks), tuple(m._backward_pre_hooks),
-                      tuple(m._backward_hooks))
-        state += (id(m), m.__class__, "forward" in m.__dict__, hooked)
+            hooked = (tuple(pre), tuple(post), tuple(bpre), tuple(bpost))
+        state += (id(m), m.__class__, "forward" in attrs, hooked)
     for name in plan.mid:
         m = mods.get(name)
         state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))

@@ -178,7 +178,7 @@ def launch_plan(kind: str, activation: GLUActivation, dtype: torch.dtype, config
     config = config or current_launch_config()
     key = (kind, id(activation), dtype, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
     entry = _PLANS.get(key)
-    if entry is None or entry[0] is not activation or entry[1] is not config:
+    if entry is None:  # else these very objects: the entry keeps them alive, and live objects' ids are unique
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         entry = _PLANS[key] = (activation, config, _build_plan(kind, activation, dtype, config, key[-1]))
@@ -209,9 +209,9 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
 
 
 def _unit_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """An output the kernels can write (unit inner stride) and its row stride:
-    ``t`` itself, or a contiguous stand-in that :func:`_copy_back` copies to
-    ``t`` after."""
+    """``t`` with unit inner stride, and its row stride: ``t`` itself, or a
+    contiguous copy (an input: ``_rows_view``'s rule; an output: a stand-in
+    that :func:`_copy_back` copies to ``t`` after)."""
     ld, step = t.stride()  # one call for both (each stride(i) call parses its argument)
     return (t, ld) if step == 1 or t.shape[1] <= 1 else (t.contiguous(), t.shape[1])
 
@@ -327,15 +327,14 @@ def launch_swiglu_backward_halves(gate: torch.Tensor, up: torch.Tensor, dh: torc
     """(dx12 [M, 2H], h), both new, from separate gate and up [M, H] (halves
     specs): the kernel of ``launch_swiglu_backward`` with its own pointer
     and row stride for each half."""
-    gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
     M, H = gate.shape
+    (gate, gate_ld), (up, up_ld), (dh, dh_ld) = _unit_rows(gate), _unit_rows(up), _unit_rows(dh)
     dx12 = gate.new_empty(M, 2 * H)
     h = gate.new_empty(M, H)
     plan = launch_plan("swiglu_backward", activation, gate.dtype, launch_config)
     dx = dx12.data_ptr()
     plan.launch_rows(launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx, dx + H * plan.itemsize,
-                                            h.data_ptr()),
-                     (gate.stride(0), up.stride(0), dh.stride(0), 2 * H, 2 * H, H))
+                                            h.data_ptr()), (gate_ld, up_ld, dh_ld, 2 * H, 2 * H, H))
     return dx12, h
 
 
