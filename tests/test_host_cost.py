@@ -234,8 +234,8 @@ def test_bench_host_cost_refuses_device_cuda(tmp_path, capsys):
 #: them. Experts: the most over several calls (the routing, and with it the
 #: groups launched, changes per call).
 FRAME_BUDGET = {  # entry point -> (forward, forward+backward, no_grad forward)
-    "SwiGLU": (16, 26, 14),
-    "swiglu": (15, 25, 13),
+    "SwiGLU": (16, 23, 14),
+    "swiglu": (15, 22, 13),
     "patched LlamaMLP": (24, 37, 22),
     "patched experts": (72, 135, 72),
 }
