@@ -81,14 +81,20 @@ def _is_noop(m: nn.Module) -> bool:
 def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None,
                tile_rows=None):
     """The whole MLP in the fused op, the weights used in place (views)."""
-    wd, bd = linear_params(mods[plan.down])
     if plan.packed is None:  # the usual HF MLP: its modes passed as they are (no dict to build and unpack)
-        (wg, bg), (wu, bu) = linear_params(mods[plan.gate]), linear_params(mods[plan.up])
+        try:  # ``linear_params``'s registry reads inline: three frames less on every call
+            gate, up, down = mods[plan.gate]._parameters, mods[plan.up]._parameters, mods[plan.down]._parameters
+            wg, bg, wu, bu, wd, bd = (gate["weight"], gate["bias"], up["weight"], up["bias"], down["weight"],
+                                      down["bias"])
+        except KeyError:  # a parametrization or FSDP1's views replaced a registered entry
+            (wg, bg), (wu, bu), (wd, bd) = (linear_params(mods[plan.gate]), linear_params(mods[plan.up]),
+                                            linear_params(mods[plan.down]))
         return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation,
                                recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
                                saved_x12=saved_x12, tile_rows=tile_rows)
     modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12,
                  tile_rows=tile_rows)
+    wd, bd = linear_params(mods[plan.down])
     w, b = linear_params(mods[plan.packed])
     if plan.order in ("gate_first", "interleaved"):
         return swiglu(x, w, b, wd, bd, activation=plan.packed_activation, **modes)
