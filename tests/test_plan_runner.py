@@ -158,3 +158,27 @@ def test_a_copy_and_a_pickle_decide_for_themselves():
     loaded = pickle.loads(pickle.dumps(nn.Sequential(mlp)))[0]
     torch.testing.assert_close(loaded(x), mlp(x))
     assert loaded.fusion() == "mlp"
+
+
+def test_a_parametrized_projection_runs_fused_with_its_computed_weight():
+    """A parametrization moves a projection's weight out of its parameter
+    registry: the whole-MLP call reads it through the module (the computed
+    weight), as the reference does."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    reference, mlp = patched()
+    for module in (reference, mlp):
+        parametrize.register_parametrization(module.up_proj, "weight", Doubled())
+    x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
+    y = mlp(x)
+    torch.testing.assert_close(y, reference(x))
+    assert mlp.fusion() == "mlp"
+    y.pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    grad = mlp.up_proj.parametrizations.weight.original.grad
+    assert grad is not None and grad.abs().sum() > 0
+    torch.testing.assert_close(grad, reference.up_proj.parametrizations.weight.original.grad)
