@@ -181,19 +181,27 @@ def check_down_shapes(w3, b3, H: int) -> None:
 
 def common_case(x, weights, biases) -> bool:
     """Plain dense tensors of one supported dtype and one device (not meta),
-    contiguous weights: every per-tensor check holds, only shapes are left."""
-    if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided:
+    contiguous weights: every per-tensor check holds, only shapes are left.
+
+    A device is compared as (``is_cuda``, ``get_device()``, ``is_meta``), a
+    bool and an int each, not as a ``torch.device``: building those objects
+    took ~4.5 us of a decode-sized call. That tells CUDA devices apart, and
+    each from the CPU (index -1) and from meta; two other accelerator types
+    at one index (which no process mixes) would pass here and meet torch's own
+    device-mismatch error in the first GEMM."""
+    if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided or x.is_meta:
         return False
-    dtype, device = x.dtype, x.device
-    if dtype not in SUPPORTED_DTYPES or device.type == "meta":
+    dtype, cuda, index = x.dtype, x.is_cuda, x.get_device()
+    if dtype not in SUPPORTED_DTYPES:
         return False
     try:  # non-strided layouts report non-contiguous (or raise)
         for w in weights:
-            if type(w) not in _PLAIN_TENSORS or w.dtype is not dtype or w.device != device or not w.is_contiguous():
+            if (type(w) not in _PLAIN_TENSORS or w.dtype is not dtype or w.is_cuda is not cuda
+                    or w.get_device() != index or w.is_meta or not w.is_contiguous()):
                 return False
         for b in biases:
-            if b is not None and (type(b) not in _PLAIN_TENSORS or b.dtype is not dtype or b.device != device
-                                  or not b.is_contiguous()):
+            if b is not None and (type(b) not in _PLAIN_TENSORS or b.dtype is not dtype or b.is_cuda is not cuda
+                                  or b.get_device() != index or b.is_meta or not b.is_contiguous()):
                 return False
     except Exception:
         return False

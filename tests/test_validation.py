@@ -90,3 +90,31 @@ def test_unpacked_common_case_without_biases_matches_the_reference():
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
     y.sum().backward()
     assert x.grad.abs().sum() > 0
+
+
+# ---- the common case's device comparison (is_cuda, index, meta) ----------------------------------
+
+@pytest.mark.parametrize("index", range(7))
+def test_a_meta_tensor_anywhere_leaves_the_common_case_and_is_named(index):
+    """Meta and the CPU share index -1: the common case tells them apart by
+    is_meta, so a meta argument reaches the full checks and their error."""
+    from swiglu_cupy import _validation as check
+
+    args = list(_unpacked())
+    names = ["x", "w1", "b1", "w2", "b2", "w3", "b3"]
+    args[index] = args[index].to("meta")
+    assert not check.common_unpacked_case(*args)
+    with pytest.raises(ValueError, match=f"{names[index]} is a meta tensor"):
+        sc.swiglu_unpacked(*args)
+
+
+def test_the_common_case_compares_devices_like_torch_device_equality():
+    """(is_cuda, get_device(), is_meta) tells apart every pair of the devices a
+    CPU process can hold (cpu, meta) as torch.device equality does."""
+    from swiglu_cupy import _validation as check
+
+    x, w12, w3 = torch.randn(3, 6), torch.randn(8, 6), torch.randn(5, 4)
+    for dx in ("cpu", "meta"):
+        for dw in ("cpu", "meta"):
+            same = torch.device(dx) == torch.device(dw) and dx != "meta"  # meta never takes the common case
+            assert check.common_packed_case(x.to(dx), w12.to(dw), None, w3.to(dw), None) is same, (dx, dw)
