@@ -337,6 +337,28 @@ def test_func_and_export_of_swiglu_unpacked():
     torch.testing.assert_close(ep.module()(x), reference(x, w1, w2), **TOL)
 
 
+def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
+    """x is plain, so the call is eager (the lean eager apply); a weight that
+    escaped a finished transform still goes through torch's apply, which
+    unwraps it: the gradient reaches the original weight."""
+    leaked = []
+    torch.manual_seed(0)
+    w12 = torch.randn(2 * H, D, dtype=torch.float64, requires_grad=True)
+    w3 = torch.randn(D, H, dtype=torch.float64)
+    torch.func.vjp(lambda t: leaked.append(t) or t * 1, w12)
+    (dead,) = leaked
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    x = _x(3)
+    y = sc.swiglu(x, dead, None, w3, None)
+    y.pow(2).sum().backward()
+    got, w12.grad = w12.grad, None
+    y_ref = sc.swiglu_reference(x, w12, None, w3, None)
+    y_ref.pow(2).sum().backward()
+    torch.testing.assert_close(y, y_ref, **TOL)
+    assert_nontrivial(got, "grad through the dead wrapper")
+    torch.testing.assert_close(got, w12.grad, **TOL)
+
+
 def test_a_tensor_left_over_from_a_transform_still_works():
     """A tensor that escaped a finished torch.func transform is a dead
     wrapper: the Functions' lean apply hands it to torch's apply, which
