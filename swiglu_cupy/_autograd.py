@@ -49,22 +49,6 @@ class LeanApplyFunction(torch.autograd.Function):
                 return cls._bound_cpp_apply(*args)
         return super().apply(*args)
 
-    @classmethod
-    def apply_eager(cls, *args):
-        """``apply`` for a call its caller has found eager (``dispatch.eager_path``
-        gave it a path: no tracer, no torch.func transform active, the first
-        argument not wrapped by one), so those checks are not repeated (their
-        ~3 us showed in a decode-sized call). Any other tensor argument left
-        over from a transform still goes to torch's apply, which unwraps it."""
-        cpp = cls._bound_cpp_apply
-        if cpp is not None:
-            for a in args[1:]:
-                if a.__class__ is torch.Tensor and is_functorch_wrapped(a):
-                    break
-            else:
-                return cpp(*args)
-        return cls.apply(*args)
-
 
 def graph_needed(*tensors) -> bool:
     """Whether the Function must be applied: grad mode (a graph may be

@@ -338,9 +338,10 @@ def test_func_and_export_of_swiglu_unpacked():
 
 
 def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
-    """x is plain, so the call is eager (the lean eager apply); a weight that
-    escaped a finished transform still goes through torch's apply, which
-    unwraps it: the gradient reaches the original weight."""
+    """x is plain, so the call is eager; a weight that escaped a finished
+    transform still goes through torch's apply (the lean apply sees it),
+    which unwraps it: the gradient reaches the original weight (the C++
+    apply alone loses it)."""
     leaked = []
     torch.manual_seed(0)
     w12 = torch.randn(2 * H, D, dtype=torch.float64, requires_grad=True)

@@ -49,8 +49,7 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
         if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
             return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
         bound = _BOUND.get((id(options), id(path)))  # ``_with_path``'s lookup inline: a frame less per call
-        return SwiGLUFunction.apply_eager(*args, _with_path(options, path) if bound is None else bound[2], False,
-                                          tile)
+        return SwiGLUFunction.apply(*args, _with_path(options, path) if bound is None else bound[2], False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
     return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
