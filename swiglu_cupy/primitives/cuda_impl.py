@@ -42,11 +42,6 @@ MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-strid
 HOST_SM_COUNT = 1   # stand-in for launchers without a GPU, so capped grids stay small
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """The kernels take a row stride but need unit inner stride."""
-    return t if t.stride(1) == 1 or t.shape[1] <= 1 else t.contiguous()
-
-
 def _leading_dim(t: torch.Tensor) -> int:
     # A single row (or size-1 dims) can report any stride; it is never used to step.
     return t.stride(0) if t.shape[0] > 1 else t.shape[1]
@@ -209,9 +204,9 @@ def _scalar_args(activation: GLUActivation, double: bool, gradient_at_bound: boo
 
 
 def _unit_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``t`` with unit inner stride, and its row stride: ``t`` itself, or a
-    contiguous copy (an input: ``_rows_view``'s rule; an output: a stand-in
-    that :func:`_copy_back` copies to ``t`` after)."""
+    """``t`` with unit inner stride (the kernels step rows, not columns), and
+    its row stride: ``t`` itself, or a contiguous copy (for an output, a
+    stand-in that :func:`_copy_back` copies to ``t`` after)."""
     ld, step = t.stride()  # one call for both (each stride(i) call parses its argument)
     return (t, ld) if step == 1 or t.shape[1] <= 1 else (t.contiguous(), t.shape[1])
 
@@ -225,7 +220,7 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
 def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
                             launcher=None, launch_config: LaunchConfig | None = None,
                             activation: GLUActivation = SILU) -> torch.Tensor:
-    # ``_rows_view`` and ``_copy_back`` inline: separate weights' gate and up take this hot path.
+    # ``_unit_rows`` and ``_copy_back`` inline: separate weights' gate and up take this hot path.
     M, H = gate.shape
     gate_ld, step = gate.stride()  # one call for both (each stride(i) call parses its argument)
     if step != 1 and H > 1:
@@ -249,15 +244,15 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
                              dgate_out: torch.Tensor | None, dup_out: torch.Tensor | None,
                              launcher=None, launch_config: LaunchConfig | None = None,
                              activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
-    gate, up, dh = _rows_view(gate), _rows_view(up), _rows_view(dh)
     M, H = gate.shape
+    (gate, gate_ld), (up, up_ld), (dh, dh_ld) = _unit_rows(gate), _unit_rows(up), _unit_rows(dh)
     dgate = gate.new_empty(M, H) if dgate_out is None else dgate_out
     dup = gate.new_empty(M, H) if dup_out is None else dup_out
     (dgate_target, dgate_ld), (dup_target, dup_ld) = _unit_rows(dgate), _unit_rows(dup)
     launch_plan("swiglu_backward", activation, gate.dtype, launch_config).launch_rows(
         launcher, gate, M, H,
         (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dgate_target.data_ptr(), dup_target.data_ptr(), 0),
-        (gate.stride(0), up.stride(0), dh.stride(0), dgate_ld, dup_ld, 0))
+        (gate_ld, up_ld, dh_ld, dgate_ld, dup_ld, 0))
     _copy_back(dgate_target, dgate)
     _copy_back(dup_target, dup)
     return dgate, dup
@@ -271,7 +266,7 @@ def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=
     M, N = x12.shape
     ld, step = x12.stride()  # one call for both (each stride(i) call parses its argument)
     if step != 1 and N > 1:
-        x12 = x12.contiguous()  # the kernels step rows, not columns (``_rows_view``, inline on this hot path)
+        x12 = x12.contiguous()  # the kernels step rows, not columns (``_unit_rows``, inline on this hot path)
         ld = N
     H = N // 2
     if out is None:  # sizes as separate ints: a tuple costs torch's argument parser ~1 us more
@@ -361,7 +356,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
                               activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, the saved tensor [M, R] uint8) from x12, in one pass."""
     check_fp8_compute_dtype(x12.dtype)  # float64's modules hold no 8-bit kernels
-    x12 = _rows_view(x12)
+    x12 = _unit_rows(x12)[0]
     M, H = x12.shape[0], x12.shape[1] // 2
     h = x12.new_empty(M, H)
     saved = saved_x12.new_saved(M, H, activation.interleaved, x12.device)
@@ -384,7 +379,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
                                activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h) in dh's dtype from the saved tensor."""
     check_fp8_compute_dtype(dh.dtype)  # float64's modules hold no 8-bit kernels
-    dh = _rows_view(dh)
+    dh = _unit_rows(dh)[0]
     M, H = dh.shape
     if saved.stride(0) != saved.shape[1] or saved.data_ptr() % 4:
         saved = saved.contiguous()  # rows of whole 4-byte scales (a view of it need not be)
