@@ -90,3 +90,20 @@ def test_options_differ_per_dtype_and_vector_widths():
     # The 8-bit kernels' lane geometry reaches NVRTC and g++ from the one constant the host counts lanes by.
     assert all(f"-DSWIGLU_FP8_LANE_PACKS={_sources.FP8_LANE_PACKS}" in o for o in opts.values())
     assert [_sources.fp8_lane_columns(d) for d in (torch.float16, torch.bfloat16, torch.float32)] == [16, 16, 8]
+
+
+def test_paired_math_kinds_are_the_kinds_the_cuda_pairs():
+    """``PAIRED_MATH_KINDS`` restates each functor's ``kPaired`` flag in
+    glu_activations.cuh (the machine-code check requires paired instructions
+    for these kinds): both directions must agree, so a kind paired in CUDA
+    but not listed cannot go unchecked."""
+    import re
+
+    text = _sources.kernel_files_source()
+    paired = set()
+    for kind, functor in _sources._ACT_FUNCTOR.items():
+        found = re.search(r"struct " + functor + r"\b[^{]*\{(?:\s*//[^\n]*)?\s*static constexpr bool kPaired = (true|false);", text)
+        assert found, f"{functor} declares no kPaired first in its body"
+        if found.group(1) == "true":
+            paired.add(kind)
+    assert paired == set(_sources.PAIRED_MATH_KINDS)
