@@ -94,7 +94,8 @@ def test_bad_input_raises_naming_the_argument_before_any_launch(case_id, build, 
     for name in ("swiglu_forward_torch", "swiglu_backward_torch", "silu_mul_forward_torch", "silu_mul_backward_torch"):
         monkeypatch.setattr(primitives.torch_impl, name, no_launch)
     for name in ("launch_swiglu_forward", "launch_swiglu_backward", "launch_silu_mul_forward",
-                 "launch_silu_mul_backward", "launch_swiglu_forward_fp8", "launch_swiglu_backward_fp8"):
+                 "launch_silu_mul_backward", "launch_swiglu_forward_fp8", "launch_swiglu_backward_fp8",
+                 "swiglu_forward_on", "silu_mul_forward_on", "swiglu_backward_on", "swiglu_backward_halves_on"):
         monkeypatch.setattr(primitives.cuda_impl, name, no_launch)
     valid = (_x(5), *_params())
     with pytest.raises(error, match=match):

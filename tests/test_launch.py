@@ -397,10 +397,11 @@ def test_row_launches_cache_shape_arguments_and_still_check_each_pointer():
             self.launches = []
 
         def launch(self, name, dtype, device, grid, block, args):
+            assert (dtype, device) == (torch.float32, cpu)  # the plan's dtype, the device as given
             self.launches.append((name, grid, block, args))
 
     plan = cuda_impl.launch_plan("swiglu_forward", SILU, torch.float32, None)
-    recorder, cpu = Recording(), torch.empty(1)
+    recorder, cpu = Recording(), torch.device("cpu")
     plan.rows.clear()
     for gate in (4096, 4100, 8192):  # aligned, misaligned, aligned again: one cached entry
         plan.launch_rows(recorder, cpu, 3, 64, (gate, 65536, 131072), (128, 128, 64))
@@ -412,7 +413,7 @@ def test_row_launches_cache_shape_arguments_and_still_check_each_pointer():
     first, misaligned = recorder.launches[0], recorder.launches[1]
     assert [type(a) for a in first[3][:5]] == [np.uint64] * 3 + [np.int64] * 2
     assert [int(a) for a in first[3][:8]] == [4096, 65536, 131072, 3, 64, 128, 128, 64]
-    sms = cuda_impl.sm_count(cpu.device) if plan.capped else 0
+    sms = cuda_impl.sm_count(cpu) if plan.capped else 0
     assert int(misaligned[3][0]) == 4100 and misaligned[1:3] == cuda_impl.launch_shape(3, 64, 1, plan.config, sms)
     assert first[1:3] == cuda_impl.launch_shape(3, 64, plan.vec, plan.config, sms)
     assert first[3][8:] == plan.scalar_args

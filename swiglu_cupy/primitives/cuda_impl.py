@@ -88,9 +88,12 @@ def effective_launch_config(config: LaunchConfig, variant) -> LaunchConfig:
 class LaunchPlan:
     """What a launch of one kernel kind needs that does not depend on the
     tensors: built once per (kind, GLU spec, dtype, launch config, clamp
-    rule) by :func:`launch_plan`, so a call only looks it up, checks its
-    pointers' alignment and computes the grid."""
+    rule) by :func:`launch_plan`, so a call only looks it up (or holds it: a
+    decided ``dispatch.KernelPath`` does), checks its pointers' alignment and
+    computes the grid."""
     names: tuple[str, str]       # the entry point for (1-element, 16-byte) accesses
+    dtype: torch.dtype           # the storage dtype it was built for
+    interleaved: bool            # the spec's layout: gate/up pairs, or halves
     vec: int                     # elements per 16-byte access in this dtype
     itemsize: int                # bytes per element of this dtype
     config: LaunchConfig         # capped to what the instance was compiled for
@@ -103,14 +106,13 @@ class LaunchPlan:
     #: 1-element one, and the arguments after the pointers (numpy-typed once), bounded
     rows: dict = dataclasses.field(default_factory=dict)
 
-    def launch_rows(self, launcher, ref: torch.Tensor, M: int, H: int, pointers: tuple, strides: tuple) -> None:
-        """A row kernel over [M, H]: arguments ``pointers..., M, H,
-        strides...`` (element row strides; pointer 0 with stride 0 for an
-        absent output). The 16-byte instance runs when H, every pointer and
-        (past one row, which never steps) every row stride allow it."""
+    def launch_rows(self, launcher, device: torch.device, M: int, H: int, pointers: tuple, strides: tuple) -> None:
+        """A row kernel over [M, H] on ``device``: arguments ``pointers...,
+        M, H, strides...`` (element row strides; pointer 0 with stride 0 for
+        an absent output). The 16-byte instance runs when H, every pointer
+        and (past one row, which never steps) every row stride allow it."""
         if M == 0 or H == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
-        device = ref.device
         entry = self.rows.get((M, H, strides, device))
         if entry is None:
             entry = self._row_entry(M, H, strides, device)
@@ -122,7 +124,7 @@ class LaunchPlan:
                     chosen = entry[1]
                     break
         name, grid, block = chosen
-        (launcher or cupy_launcher()).launch(name, ref.dtype, device, grid, block, (*map(_U64, pointers), *tail))
+        (launcher or cupy_launcher()).launch(name, self.dtype, device, grid, block, (*map(_U64, pointers), *tail))
 
     def _row_entry(self, M: int, H: int, strides: tuple, device: torch.device) -> tuple:
         vec = self.vec
@@ -145,16 +147,15 @@ class LaunchPlan:
                 M, columns, vec, self.config, sm_count(device) if self.capped else 0)
         return shape
 
-    def launch(self, launcher, ref: torch.Tensor, M: int, columns: int, vec: int, args: tuple,
+    def launch(self, launcher, device: torch.device, M: int, columns: int, vec: int, args: tuple,
                vectorized: bool | None = None) -> None:
-        """One launch over M rows of ``columns`` (``vec``: 1 or ``self.vec``)
-        of the wide instance when ``vectorized`` (default: ``vec > 1``);
-        nothing for an empty tile."""
+        """One launch on ``device`` over M rows of ``columns`` (``vec``: 1 or
+        ``self.vec``) of the wide instance when ``vectorized`` (default:
+        ``vec > 1``); nothing for an empty tile."""
         if M == 0 or columns == 0:
             return  # an empty grid is a CUDA launch error; there is nothing to do
-        device = ref.device
         grid, block = self._shape(M, columns, vec, device)
-        (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], ref.dtype,
+        (launcher or cupy_launcher()).launch(self.names[vec > 1 if vectorized is None else vectorized], self.dtype,
                                              device, grid, block, (*args, *self.scalar_args))
 
 
@@ -186,7 +187,7 @@ def _build_plan(kind, activation, dtype, config, gradient_at_bound) -> LaunchPla
     names = (kernel_name(kind, False, config.packs_per_thread, variant),
              kernel_name(kind, True, config.packs_per_thread, variant))
     itemsize = dtype.itemsize
-    return LaunchPlan(names, vector_width(dtype), itemsize, config,
+    return LaunchPlan(names, dtype, activation.interleaved, vector_width(dtype), itemsize, config,
                       _scalar_args(activation, dtype is torch.float64, gradient_at_bound), config.grid_waves is not None)
 
 
@@ -217,9 +218,13 @@ def _copy_back(target: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(target)
 
 
-def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
-                            launcher=None, launch_config: LaunchConfig | None = None,
-                            activation: GLUActivation = SILU) -> torch.Tensor:
+# Each primitive's launch is one ``*_on`` body taking its plan and device as given: a decided
+# ``dispatch.KernelPath`` holds both, so its calls look nothing up. The ``launch_*`` entry points
+# (per-primitive dispatch, the self-check, tools) look the plan up and take the device from a tensor.
+
+def silu_mul_forward_on(plan: LaunchPlan, launcher, device: torch.device, gate: torch.Tensor, up: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """h = act(gate) * up [M, H] (``out``: written there, e.g. over gate)."""
     # ``_unit_rows`` and ``_copy_back`` inline: separate weights' gate and up take this hot path.
     M, H = gate.shape
     gate_ld, step = gate.stride()  # one call for both (each stride(i) call parses its argument)
@@ -233,11 +238,17 @@ def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Ten
         h_ld = H
     else:
         h, (target, h_ld) = out, _unit_rows(out)
-    launch_plan("swiglu_forward", activation, gate.dtype, launch_config).launch_rows(
-        launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()), (gate_ld, up_ld, h_ld))
+    plan.launch_rows(launcher, device, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()), (gate_ld, up_ld, h_ld))
     if target is not h:
         h.copy_(target)
     return h
+
+
+def launch_silu_mul_forward(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None,
+                            launcher=None, launch_config: LaunchConfig | None = None,
+                            activation: GLUActivation = SILU) -> torch.Tensor:
+    return silu_mul_forward_on(launch_plan("swiglu_forward", activation, gate.dtype, launch_config), launcher,
+                               gate.device, gate, up, out)
 
 
 def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor,
@@ -250,7 +261,7 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
     dup = gate.new_empty(M, H) if dup_out is None else dup_out
     (dgate_target, dgate_ld), (dup_target, dup_ld) = _unit_rows(dgate), _unit_rows(dup)
     launch_plan("swiglu_backward", activation, gate.dtype, launch_config).launch_rows(
-        launcher, gate, M, H,
+        launcher, gate.device, M, H,
         (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dgate_target.data_ptr(), dup_target.data_ptr(), 0),
         (gate_ld, up_ld, dh_ld, dgate_ld, dup_ld, 0))
     _copy_back(dgate_target, dgate)
@@ -258,9 +269,8 @@ def launch_silu_mul_backward(gate: torch.Tensor, up: torch.Tensor, dh: torch.Ten
     return dgate, dup
 
 
-def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
-                          launch_config: LaunchConfig | None = None,
-                          activation: GLUActivation = SILU) -> torch.Tensor:
+def swiglu_forward_on(plan: LaunchPlan, launcher, device: torch.device, x12: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """h [M, H] from x12 [M, 2H]. Halves: gate and up are x12's pointer and
     the one H elements on, with x12's row stride (no views are made)."""
     M, N = x12.shape
@@ -274,20 +284,25 @@ def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=
         h_ld = H
     else:
         h, (target, h_ld) = out, _unit_rows(out)
-    plan = launch_plan("swiglu_forward", activation, x12.dtype, launch_config)
     x = x12.data_ptr()
-    if activation.interleaved:
-        plan.launch_rows(launcher, x12, M, H, (x, target.data_ptr()), (ld, h_ld))
+    if plan.interleaved:
+        plan.launch_rows(launcher, device, M, H, (x, target.data_ptr()), (ld, h_ld))
     else:
-        plan.launch_rows(launcher, x12, M, H, (x, x + H * plan.itemsize, target.data_ptr()), (ld, ld, h_ld))
+        plan.launch_rows(launcher, device, M, H, (x, x + H * plan.itemsize, target.data_ptr()), (ld, ld, h_ld))
     if target is not h:
         h.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return h
 
 
-def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
-                           launcher=None, launch_config: LaunchConfig | None = None,
-                           activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_swiglu_forward(x12: torch.Tensor, out: torch.Tensor | None, launcher=None,
+                          launch_config: LaunchConfig | None = None,
+                          activation: GLUActivation = SILU) -> torch.Tensor:
+    return swiglu_forward_on(launch_plan("swiglu_forward", activation, x12.dtype, launch_config), launcher,
+                             x12.device, x12, out)
+
+
+def swiglu_backward_on(plan: LaunchPlan, launcher, device: torch.device, x12: torch.Tensor, dh: torch.Tensor,
+                       dx12_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12, h) from x12 and dh; dx12 may be x12 itself (in place)."""
     M, N = x12.shape
     ld, step = x12.stride()  # one call for both (each stride(i) call parses its argument)
@@ -303,34 +318,45 @@ def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.
     else:
         dx12, (target, dx_ld) = dx12_out, _unit_rows(dx12_out)
     h = x12.new_empty(M, H)
-    plan = launch_plan("swiglu_backward", activation, x12.dtype, launch_config)
     x, dx = x12.data_ptr(), target.data_ptr()
-    if activation.interleaved:
-        plan.launch_rows(launcher, x12, M, H, (x, dh.data_ptr(), dx, h.data_ptr()), (ld, dh_ld, dx_ld, H))
+    if plan.interleaved:
+        plan.launch_rows(launcher, device, M, H, (x, dh.data_ptr(), dx, h.data_ptr()), (ld, dh_ld, dx_ld, H))
     else:
         up = H * plan.itemsize
-        plan.launch_rows(launcher, x12, M, H, (x, x + up, dh.data_ptr(), dx, dx + up, h.data_ptr()),
+        plan.launch_rows(launcher, device, M, H, (x, x + up, dh.data_ptr(), dx, dx + up, h.data_ptr()),
                          (ld, ld, dh_ld, dx_ld, dx_ld, H))
     if target is not dx12:
         dx12.copy_(target)  # written through a contiguous stand-in: back to the caller's view
     return dx12, h
 
 
-def launch_swiglu_backward_halves(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, launcher=None,
-                                  launch_config: LaunchConfig | None = None,
-                                  activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_swiglu_backward(x12: torch.Tensor, dh: torch.Tensor, dx12_out: torch.Tensor | None,
+                           launcher=None, launch_config: LaunchConfig | None = None,
+                           activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward_on(launch_plan("swiglu_backward", activation, x12.dtype, launch_config), launcher,
+                              x12.device, x12, dh, dx12_out)
+
+
+def swiglu_backward_halves_on(plan: LaunchPlan, launcher, device: torch.device, gate: torch.Tensor,
+                              up: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx12 [M, 2H], h), both new, from separate gate and up [M, H] (halves
-    specs): the kernel of ``launch_swiglu_backward`` with its own pointer
-    and row stride for each half."""
+    specs): the kernel of ``swiglu_backward_on`` with its own pointer and row
+    stride for each half."""
     M, H = gate.shape
     (gate, gate_ld), (up, up_ld), (dh, dh_ld) = _unit_rows(gate), _unit_rows(up), _unit_rows(dh)
     dx12 = gate.new_empty(M, 2 * H)
     h = gate.new_empty(M, H)
-    plan = launch_plan("swiglu_backward", activation, gate.dtype, launch_config)
     dx = dx12.data_ptr()
-    plan.launch_rows(launcher, gate, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx, dx + H * plan.itemsize,
-                                            h.data_ptr()), (gate_ld, up_ld, dh_ld, 2 * H, 2 * H, H))
+    plan.launch_rows(launcher, device, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx,
+                                              dx + H * plan.itemsize, h.data_ptr()), (gate_ld, up_ld, dh_ld, 2 * H, 2 * H, H))
     return dx12, h
+
+
+def launch_swiglu_backward_halves(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, launcher=None,
+                                  launch_config: LaunchConfig | None = None,
+                                  activation: GLUActivation = SILU) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward_halves_on(launch_plan("swiglu_backward", activation, gate.dtype, launch_config),
+                                     launcher, gate.device, gate, up, dh)
 
 
 # ---- the 8-bit saved x12 (format: saved_x12.py) ------------------------------------------------
@@ -369,7 +395,7 @@ def launch_swiglu_forward_fp8(x12: torch.Tensor, launcher=None, launch_config: L
         args = [pointer(x12), pointer(x12[:, H:]), pointer(h), *tail, i64(_leading_dim(x12)),
                 i64(_leading_dim(x12)), *strides]
     launch_plan("swiglu_forward_fp8", activation, x12.dtype, launch_config).launch(
-        launcher, x12, M, fp8_launch_columns(H, activation, x12.dtype), 1, tuple(args),
+        launcher, x12.device, M, fp8_launch_columns(H, activation, x12.dtype), 1, tuple(args),
         vectorized=_fp8_vectorized(H, M, (x12, h)))
     return h, saved
 
@@ -394,7 +420,7 @@ def launch_swiglu_backward_fp8(saved: torch.Tensor, dh: torch.Tensor, launcher=N
         args = [*head, pointer(dx12), pointer(dx12[:, H:]), pointer(h), i64(M), i64(H), *strides,
                 i64(2 * H), i64(2 * H), i64(_leading_dim(h))]
     launch_plan("swiglu_backward_fp8", activation, dh.dtype, launch_config).launch(
-        launcher, dh, M, fp8_launch_columns(H, activation, dh.dtype), 1, tuple(args),
+        launcher, dh.device, M, fp8_launch_columns(H, activation, dh.dtype), 1, tuple(args),
         vectorized=_fp8_vectorized(H, M, (dh, dx12, h)))
     return dx12, h
 

@@ -22,8 +22,11 @@ a repeated call costs a dict lookup; ``first_use_check.reset`` empties it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import _torch_compat
 from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
 from .._torch_compat import functorch_transforms_active, is_functorch_wrapped
 from ..activations import SILU, GLUActivation
@@ -54,45 +57,47 @@ def _or_new_if_half(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) 
 
 class KernelPath:
     """The kernels, for one (launcher, GLU spec, dtype, device, launch
-    config) whose self-check passed (``launcher`` None: CuPy's)."""
-    __slots__ = ("launcher", "spec", "config")
+    config, clamp rule) whose self-check passed (``launcher`` None: CuPy's).
+    It holds its two launch plans and its device: a call on it looks
+    nothing up."""
+    __slots__ = ("launcher", "spec", "config", "device", "_forward", "_backward", "forward", "forward_halves")
     #: Separate weights' gate and up may stay two tensors (``*_halves``): the kernels read each
     #: where it lies, with the same math whatever the layout.
     halves_apart = True
 
-    def __init__(self, launcher, spec: GLUActivation, config) -> None:
-        self.launcher, self.spec, self.config = launcher, spec, config
-
-    def forward(self, x12: torch.Tensor) -> torch.Tensor:
-        return kernels.launch_swiglu_forward(x12, None, self.launcher, self.config, self.spec)
+    def __init__(self, launcher, spec: GLUActivation, config, dtype: torch.dtype, device: torch.device) -> None:
+        self.launcher, self.spec, self.config, self.device = launcher, spec, config, device
+        self._forward = kernels.launch_plan("swiglu_forward", spec, dtype, config)
+        self._backward = kernels.launch_plan("swiglu_backward", spec, dtype, config)
+        # The two hot forwards, bound (a Python frame less per call than a method):
+        #: ``forward(x12)``: h [M, H] from x12 [M, 2H].
+        self.forward = functools.partial(kernels.swiglu_forward_on, self._forward, launcher, device)
+        #: ``forward_halves(gate, up)``: a new h = act(gate) * up from separate gate and up (halves specs).
+        self.forward_halves = functools.partial(kernels.silu_mul_forward_on, self._forward, launcher, device)
 
     def forward_inplace(self, x12: torch.Tensor) -> torch.Tensor:
         """h over the gate half of x12 (an interleaved x12: a new h)."""
         if self.spec.interleaved:
             return self.forward(x12)
         gate, up = x12.chunk(2, 1)  # one call for both views: slicing costs ~1.5 us each
-        return kernels.launch_silu_mul_forward(gate, up, gate, self.launcher, self.config, self.spec)
+        return kernels.silu_mul_forward_on(self._forward, self.launcher, self.device, gate, up, gate)
 
     def forward_over_gate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """h = act(gate) * up written over ``gate`` ([M, H] each, halves specs)."""
-        return kernels.launch_silu_mul_forward(gate, up, gate, self.launcher, self.config, self.spec)
-
-    def forward_halves(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """A new h = act(gate) * up from separate gate and up (halves specs)."""
-        return kernels.launch_silu_mul_forward(gate, up, None, self.launcher, self.config, self.spec)
+        return kernels.silu_mul_forward_on(self._forward, self.launcher, self.device, gate, up, gate)
 
     def backward_halves(self, gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(dx12 [M, 2H], h), both new, from separate gate and up (halves specs)."""
-        return kernels.launch_swiglu_backward_halves(gate, up, dh, self.launcher, self.config, self.spec)
+        return kernels.swiglu_backward_halves_on(self._backward, self.launcher, self.device, gate, up, dh)
 
     def forward_fp8(self, x12: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.launch_swiglu_forward_fp8(x12, self.launcher, self.config, self.spec)
 
     def backward(self, x12: torch.Tensor, dh: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(dx12, h); ``inplace``: dx12 over x12."""
-        return kernels.launch_swiglu_backward(x12, dh, x12 if inplace else None, self.launcher, self.config,
-                                              self.spec)
+        return kernels.swiglu_backward_on(self._backward, self.launcher, self.device, x12, dh,
+                                          x12 if inplace else None)
 
     def backward_fp8(self, saved: torch.Tensor, dh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return kernels.launch_swiglu_backward_fp8(saved, dh, self.launcher, self.config, self.spec)
@@ -132,10 +137,11 @@ class TorchPath:
         return dx12.to(dh.dtype), h.to(dh.dtype)
 
 
-#: (id(launcher), id(spec), dtype, device, id(config)) -> (launcher, spec, config, path): keyed by
-#: identity (hashing the dataclasses is a Python call each); the entry holds the objects, so
-#: their ids stay theirs. Only lasting decisions are kept: a passed self-check, or no kernels
-#: for the device; a failed or deferred one is asked again (STRICT raises each time).
+#: (id(launcher), id(spec), dtype, device, id(config), clamp rule) -> (launcher, spec, config, path):
+#: keyed by identity (hashing the dataclasses is a Python call each); the entry holds the objects,
+#: so their ids stay theirs. The clamps' gradient rule (``_torch_compat``) is in the key because a
+#: path holds launch plans built with it. Only lasting decisions are kept: a passed self-check, or
+#: no kernels for the device; a failed or deferred one is asked again (STRICT raises each time).
 _PATHS: dict[tuple, tuple] = {}
 _MAX_PATHS = 1024
 first_use_check.on_reset.append(_PATHS.clear)
@@ -147,7 +153,7 @@ def path_for(x: torch.Tensor, spec: GLUActivation, launcher=None):
     if launcher is None:
         launcher = forced_launcher()
     config = current_launch_config()
-    key = (id(launcher), id(spec), x.dtype, x.device, id(config))
+    key = (id(launcher), id(spec), x.dtype, x.device, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
     entry = _PATHS.get(key)
     if entry is not None:  # these very objects: the entry keeps them alive, and live objects' ids are unique
         return entry[3]
@@ -160,7 +166,7 @@ def _decide(launcher, spec, x, config, key):
     elif launcher is None and not cuda_kernels_available():
         return TorchPath(spec)  # asked again: STRICT raises, and the warning is given once there
     elif kernels_usable(launcher, spec, x.dtype, x.device, config):
-        path = KernelPath(launcher, spec, config)
+        path = KernelPath(launcher, spec, config, x.dtype, x.device)
     else:
         return TorchPath(spec)
     if len(_PATHS) >= _MAX_PATHS:
@@ -176,7 +182,7 @@ def eager_path(x: torch.Tensor, spec: GLUActivation):
         return None
     # path_for's lookup inline (a Python frame less on every call); its answer when not cached.
     launcher, config = forced_launcher(), current_launch_config()
-    key = (id(launcher), id(spec), x.dtype, x.device, id(config))
+    key = (id(launcher), id(spec), x.dtype, x.device, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
     entry = _PATHS.get(key)
     return entry[3] if entry is not None else _decide(launcher, spec, x, config, key)
 
