@@ -100,3 +100,27 @@ def test_a_deferred_decision_is_asked_again(monkeypatch):
     assert isinstance(path, dispatch.TorchPath)
     assert not any(entry[0] is launcher for entry in dispatch._PATHS.values())
     assert selfcheck.result_of(launcher, SILU, x.dtype, x.device) is None   # no probe ran in the trace
+
+
+def test_a_decided_kernel_path_follows_the_clamp_rule_in_force(host_launcher, monkeypatch):
+    """A KernelPath holds launch plans whose clamp-gradient bound was read when
+    they were built: the rule is part of the path's key, so a switched rule
+    decides (and runs) a path of its own, never a stale one."""
+    from swiglu_cupy import _torch_compat, primitives
+    from swiglu_cupy.activations import GLUActivation
+    from swiglu_cupy.kernels.launch_config import using_launcher
+
+    spec = GLUActivation("silu", limit=2.0)
+    x12 = torch.tensor([[2.0, 0.5, 1.0, -2.0]], dtype=torch.float64)  # gate at +L; up at -L
+    dh = torch.tensor([[1.5, 0.75]], dtype=torch.float64)
+    at_bound = {}
+    with using_launcher(host_launcher):
+        for rule in (True, False, True):
+            monkeypatch.setattr(_torch_compat, "CLAMP_GRADIENT_AT_BOUND", rule)
+            path = dispatch.eager_path(x12, spec)
+            assert isinstance(path, dispatch.KernelPath)
+            dx12, h = path.backward(x12, dh, False)
+            expected, _ = primitives.swiglu_backward(x12, dh, implementation="torch", activation=spec)
+            assert torch.equal(dx12, expected)
+            at_bound[rule] = (dx12[0, 0].item(), dx12[0, 3].item())  # gate at +L, up at -L
+    assert all(g != 0 for g in at_bound[True]) and at_bound[False] == (0.0, 0.0)
