@@ -34,6 +34,12 @@ is_functorch_wrapped = _private(torch._C._functorch, "is_functorch_wrapped_tenso
 functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_active", lambda: False,
                                        "torch.func transforms of the fused op may fail under no_grad")
 
+# True inside a torch.jit.trace: torch.jit.is_tracing without its Python frame
+# (and its is_scripting call, False wherever Python runs). Ask it outside a
+# torch.compile trace only (Dynamo cannot trace it). If it goes: the public
+# function, a frame slower.
+jit_tracing = _private(torch._C, "_is_tracing", torch.jit.is_tracing, "each fused call is a little slower")
+
 # True while autocast is on for any device type: one C call with no argument,
 # where asking for the input's device type first builds a torch.device and
 # parses its name. If it goes: every call asks for its device type (a speed

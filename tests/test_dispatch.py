@@ -9,6 +9,7 @@ from torch.func import vmap
 
 import swiglu_cupy as sc
 from swiglu_cupy.activations import SILU
+from swiglu_cupy.dense import api
 from swiglu_cupy.primitives import dispatch
 from swiglu_cupy.primitives import first_use_check as selfcheck
 from swiglu_cupy.tools import host_cost
@@ -17,9 +18,9 @@ D, H = 16, 24
 
 
 def _counting(monkeypatch):
-    """Counts of the decisions (each looks its path up in ``dispatch._PATHS``, from
-    ``eager_path`` or ``path_for``) and of the per-primitive entry (never on the
-    dense eager path)."""
+    """Counts of the decisions (each looks its path up: the dense API's call in
+    ``api._DECIDED``, the backward and the primitives in ``dispatch._PATHS``)
+    and of the per-primitive entry (never on the dense eager path)."""
     counts = {"decisions": 0, "per_primitive": 0}
     real_launcher = dispatch._kernel_launcher
 
@@ -33,6 +34,7 @@ def _counting(monkeypatch):
         return real_launcher(*a, **k)
 
     monkeypatch.setattr(dispatch, "_PATHS", CountedPaths(dispatch._PATHS))
+    monkeypatch.setattr(api, "_DECIDED", CountedPaths(api._DECIDED))
     monkeypatch.setattr(dispatch, "_kernel_launcher", kernel_launcher)
     return counts
 

@@ -68,30 +68,60 @@ def test_a_function_with_defaults_cannot_use_the_lean_apply():
                 return x * scale
 
 
-def test_options_are_checked_once_and_reused():
-    """The API checks a call's settings once: a repeated call reuses the same
-    options object, and a bad value is refused every time (1 is not True)."""
+def test_a_call_is_decided_once_and_reused():
+    """The API checks a call's settings and decides its path once: a repeated
+    call reuses the same options object, its path bound in; another dtype is a
+    decision of its own; a bad value is refused every time (1 is not True)."""
     from swiglu_cupy.dense import api
+    from swiglu_cupy.primitives import dispatch
 
     x, w12, w3 = _packed()
+    api._DECIDED.clear()
     api.swiglu(x, w12, None, w3, None, recompute_gate_up=True)
-    key = ("silu", True, False, None, True, False)
-    first = api._OPTIONS[key]
+    ((key, first),) = api._DECIDED.items()
     api.swiglu(x, w12, None, w3, None, recompute_gate_up=True)
-    assert api._OPTIONS[key] is first and first[1] == SwiGLUOptions(SILU, recompute_gate_up=True)
+    assert list(api._DECIDED) == [key] and api._DECIDED[key] is first
+    options = first[3]
+    assert options._replace(path=None) == SwiGLUOptions(SILU, recompute_gate_up=True)
+    assert options.path is dispatch.eager_path(x, SILU)  # the path decided (and kept) for x
+    api.swiglu(x.double(), w12.double(), None, w3.double(), None, recompute_gate_up=True)
+    assert len(api._DECIDED) == 2
     # A spec is keyed by identity, and the entry keeps it: an equal spec made anew gets its own
-    # entry with equal options, never another object's (a freed spec's id may be reused).
+    # entry with equal settings, never another object's (a freed spec's id may be reused).
     spec, twin = GLUActivation("gelu_tanh"), GLUActivation("gelu_tanh")
     api.swiglu(x, w12, None, w3, None, activation=spec)
     api.swiglu(x, w12, None, w3, None, activation=twin)
-    entries = [api._OPTIONS[(id(s), False, False, None, True, False)] for s in (spec, twin)]
-    assert entries[0][0] is spec and entries[1][0] is twin and entries[0][1] == entries[1][1]
-    assert entries[0][1].activation is spec
+    entries = [next(e for e in api._DECIDED.values() if e[0] is s) for s in (spec, twin)]
+    assert entries[0][3]._replace(path=None) == entries[1][3]._replace(path=None)
+    assert entries[0][3].activation is spec and entries[1][3].activation is twin
     for _ in range(2):
         with pytest.raises(TypeError, match="recompute_gate_up must be a bool"):
             api.swiglu(x, w12, None, w3, None, recompute_gate_up=1)
         with pytest.raises(ValueError, match="saved_x12='fp8' cannot be combined with recompute_gate_up"):
             api.swiglu(x, w12, None, w3, None, recompute_gate_up=True, saved_x12="fp8")
+
+
+def test_only_lasting_path_decisions_are_kept_by_the_api_and_a_reset_forgets_them(monkeypatch):
+    """A call whose path is not a lasting decision (a self-check deferred or
+    failed: asked again next call) leaves nothing in the API's cache; a kept
+    one goes on a self-check reset, with the path it holds."""
+    from swiglu_cupy.dense import api
+    from swiglu_cupy.primitives import dispatch, first_use_check
+    from swiglu_cupy.tools import host_cost
+
+    x, w12, w3 = _packed()
+    api._DECIDED.clear()
+    monkeypatch.setattr(dispatch, "kernels_usable", lambda *a: False)  # as a failed self-check answers
+    with host_cost.cuda_route():
+        api.swiglu(x, w12, None, w3, None)
+    assert not api._DECIDED
+    monkeypatch.undo()
+    with host_cost.cuda_route():
+        api.swiglu(x, w12, None, w3, None)
+        ((_, entry),) = api._DECIDED.items()
+        assert isinstance(entry[3].path, dispatch.KernelPath)
+        first_use_check.reset()
+        assert not api._DECIDED
 
 
 def _first_order_calls():

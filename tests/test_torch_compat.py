@@ -35,6 +35,19 @@ def test_any_autocast_enabled_sees_autocast_on_any_device_type():
     assert compat.any_autocast_enabled() is False
 
 
+def test_jit_tracing_is_true_inside_a_jit_trace_only():
+    seen = []
+
+    def record(x):
+        seen.append(compat.jit_tracing())
+        return x * 2
+
+    assert compat.jit_tracing() is False
+    torch.jit.trace(record, (torch.randn(2),), check_trace=False)  # one run, traced
+    assert seen == [True], "torch._C._is_tracing changed meaning"
+    assert compat.jit_tracing() is False
+
+
 def test_cpp_apply_records_the_same_graph_as_apply():
     class Double(torch.autograd.Function):
         @staticmethod

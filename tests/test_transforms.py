@@ -298,8 +298,14 @@ def test_meta_device_init_then_to_empty_and_reset_parameters():
 
 def test_torchscript_raises_one_clear_error_naming_torch_export():
     block = _block()
+    w12, b12, w3, b3 = (t.detach() for t in (block.w12.weight, block.w12.bias, block.w3.weight, block.w3.bias))
+    w1, w2 = w12.chunk(2)
+
+    def unpacked(x):
+        return sc.swiglu_unpacked(x, w1, None, w2, None, w3, b3)
+
     for compile_ in (lambda: torch.jit.trace(block, (_x(2),)), lambda: torch.jit.script(block),
-                     lambda: torch.jit.script(nn.Sequential(block))):
+                     lambda: torch.jit.script(nn.Sequential(block)), lambda: torch.jit.trace(unpacked, (_x(2),))):
         with pytest.raises(RuntimeError, match="torch.export"):
             compile_()
 

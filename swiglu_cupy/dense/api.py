@@ -13,13 +13,15 @@ import sys
 
 import torch
 
+from .. import _torch_compat
 from .. import _validation as check
 from .._autograd import under_autocast
-from .._torch_compat import any_autocast_enabled
+from .._torch_compat import any_autocast_enabled, functorch_transforms_active, is_functorch_wrapped, jit_tracing
 from .._tile_size import resolve_tile_rows
 from .._validation import Role
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
-from ..primitives.dispatch import eager_path
+from ..kernels.launch_config import current_launch_config, forced_launcher
+from ..primitives import dispatch, first_use_check
 from .functions import SiluMulFunction, SwiGLUFunction, SwiGLUOptions, swiglu_forward_pass
 
 __all__ = ["swiglu", "swiglu_unpacked", "silu_mul", "glu_mul"]
@@ -32,81 +34,96 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
-    """The one place SwiGLUFunction is applied (``tile_rows`` as given). Under
-    autocast every input is first cast to the autocast dtype, like nn.Linear,
-    and the Function runs with autocast off (it picks its own precision)."""
+    """The one place SwiGLUFunction is applied, with the call's options and
+    path (:func:`_decide`; ``tile_rows`` as given). Under autocast every input
+    is first cast to the autocast dtype, like nn.Linear, and the Function
+    runs with autocast off (it picks its own precision), on the path for the
+    cast dtype."""
     x = args[0]
     if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
-        return under_autocast(x.device.type, args, lambda cast: _run(cast, options, tile_rows))
+        return under_autocast(x.device.type, args, lambda cast: _run(cast, _for_cast(options, cast[0]), tile_rows))
     # Untiled (the default) costs nothing more on this per-call path.
     tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
                                                          args[5].shape[1], x.dtype)
-    path = eager_path(x, options.activation)  # kernels or torch, decided once for this call
+    path = options.path
     # Traced or transformed (no path), a graph is always recorded; eager, when grad mode is on.
     if path is None or torch.is_grad_enabled():
         if options.saved_x12_fp8:
             check.check_fp8_compute_dtype(x.dtype)
         if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
             return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
-        bound = _BOUND.get((id(options), id(path)))  # ``_with_path``'s lookup inline: a frame less per call
-        return SwiGLUFunction.apply(*args, _with_path(options, path) if bound is None else bound[2], False, tile)
+        return SwiGLUFunction.apply(*args, options, False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
     return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
 
 
-#: (id(options), id(path)) -> (options, path, options with that path): the bound options of
-#: repeated calls (both objects are cached, so their ids stay theirs while held here).
-_BOUND: dict[tuple, tuple] = {}
+def _for_cast(options: SwiGLUOptions, x: torch.Tensor) -> SwiGLUOptions:
+    """An eager call's options with the path for autocast's dtype (``x`` cast)."""
+    return options if options.path is None else options._replace(path=dispatch.eager_path(x, options.activation))
 
 
-def _with_path(options: SwiGLUOptions, path) -> SwiGLUOptions:
-    """``options`` bound to ``path`` (a non-None path), made once per pair."""
-    entry = _BOUND.get((id(options), id(path)))
-    if entry is None:  # else these very objects: the entry keeps them alive, and live objects' ids are unique
-        if len(_BOUND) >= 1024:
-            _BOUND.clear()
-        entry = _BOUND[(id(options), id(path))] = (options, path, options._replace(path=path))
-    return entry[2]
+#: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only, id(launcher),
+#: dtype, device, id(launch config), clamp rule) -> (activation, launcher, config, options): each
+#: eager call's decision, its path bound in. A repeated call is this one lookup. A spec is keyed
+#: by identity (hashing the dataclass is a Python call per call) and the entry holds it (and the
+#: launcher and config), so their ids stay their own; a name by itself. Only exact bools and
+#: None/"fp8" reach it (1 == True would otherwise share True's entry), and only lasting path
+#: decisions (``dispatch.lasting_path``), forgotten with them on a self-check reset. Bounded.
+_DECIDED: dict[tuple, tuple] = {}
+first_use_check.on_reset.append(_DECIDED.clear)
 
 
-#: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only) ->
-#: (activation, options), for arguments already checked: a repeated eager call skips the checks.
-#: A spec is keyed by identity (hashing the dataclass is a Python call per call) and the entry
-#: holds it, so its id stays its own; a name by itself. Only exact bools and None/"fp8" reach it
-#: (1 == True would otherwise share True's entry). Bounded, like the other caches.
-_OPTIONS: dict[tuple, tuple] = {}
-
-
-def _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
-             halves_only: bool) -> SwiGLUOptions:
-    """The call's checked :class:`SwiGLUOptions` (``tile_rows`` is checked here, resolved per call)."""
+def _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+            halves_only: bool) -> SwiGLUOptions:
+    """The call, decided once at the API: its checked :class:`SwiGLUOptions`
+    with its path (kernels or torch, self-check verdict included), or path
+    None under a tracer or a torch.func transform (decided per primitive
+    there). Raises inside torch.jit.trace. ``tile_rows`` is checked here,
+    resolved per call."""
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
-    # Not inside a trace: Dynamo would guard on the cache's contents (and 2.11's can neither hash
-    # the key nor take id() of a name), so the key is made only outside one.
-    key = options = None
+    # Dynamo folds is_compiling to True: the eager branches below (the cache, whose contents
+    # it would guard on, and the C-level jit check it cannot trace) are never traced.
+    if torch.compiler.is_compiling():
+        return _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                                halves_only)
+    if jit_tracing():
+        check.reject_jit()
+    if functorch_transforms_active() or is_functorch_wrapped(x):
+        return _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                                halves_only)
+    launcher, config = forced_launcher(), current_launch_config()
+    key = None
     if (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
             and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
-            and (activation.__class__ is str or activation.__class__ is GLUActivation)
-            and not torch.compiler.is_compiling()):
-        named = activation.__class__ is str
-        key = (activation if named else id(activation), recompute_gate_up, inplace_backward, saved_x12,
-               tile_grads_fp32, halves_only)
-        entry = _OPTIONS.get(key)
-        options = None if entry is None else entry[1]  # a spec's entry holds it: its id is its own
-    if options is None:
-        check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
-                          tile_grads_fp32=tile_grads_fp32)
-        fp8 = check.check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
-        spec = (resolve_halves_activation(activation, "w1 and w2") if halves_only
-                else resolve_activation(activation))
-        options = SwiGLUOptions(spec, recompute_gate_up, inplace_backward, fp8, tile_grads_fp32)
-        if key is not None:
-            if len(_OPTIONS) >= 1024:
-                _OPTIONS.clear()
-            _OPTIONS[key] = (activation, options)
+            and (activation.__class__ is str or activation.__class__ is GLUActivation)):
+        key = (activation if activation.__class__ is str else id(activation), recompute_gate_up, inplace_backward,
+               saved_x12, tile_grads_fp32, halves_only, id(launcher), x.dtype, x.device, id(config),
+               _torch_compat.CLAMP_GRADIENT_AT_BOUND)
+        entry = _DECIDED.get(key)
+        if entry is not None:  # an entry holds its spec, launcher and config: their ids are their own
+            return entry[3]
+    options = _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                               halves_only)
+    path, lasting = dispatch.lasting_path(x, options.activation)
+    options = options._replace(path=path)
+    if key is not None and lasting:
+        if len(_DECIDED) >= 1024:
+            _DECIDED.clear()
+        _DECIDED[key] = (activation, launcher, config, options)
     return options
+
+
+def _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                     halves_only: bool) -> SwiGLUOptions:
+    """The call's settings, checked (each bad one raises, naming its argument); no path."""
+    check.check_flags(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
+                      tile_grads_fp32=tile_grads_fp32)
+    fp8 = check.check_saved_x12(saved_x12, recompute_gate_up, inplace_backward)
+    spec = (resolve_halves_activation(activation, "w1 and w2") if halves_only
+            else resolve_activation(activation))
+    return SwiGLUOptions(spec, recompute_gate_up, inplace_backward, fp8, tile_grads_fp32)
 
 
 def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
@@ -133,12 +150,12 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     float32 (4 bytes per weight element during backward); False accumulates in their dtype.
     See docs/long-context.md.
     """
-    check.reject_jit()
     if not check.common_packed_case(x, w12, b12, w3, b3):
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    options = _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32, False)
+    options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+                      False)
     return _run([x, w12, b12, None, None, w3, b3], options, tile_rows)
 
 
@@ -157,12 +174,12 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
     have no interleaving).
     """
-    check.reject_jit()
     if not check.common_unpacked_case(x, w1, b1, w2, b2, w3, b3):
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
         check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    options = _options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32, True)
+    options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+                      True)
     return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows)
 
 

@@ -36,7 +36,7 @@ from . import cuda_impl as kernels
 from . import first_use_check, saved_x12, torch_impl
 from .first_use_check import kernels_usable
 
-__all__ = ["eager_path", "path_for", "KernelPath", "TorchPath", "run_swiglu_forward", "run_swiglu_backward",
+__all__ = ["eager_path", "lasting_path", "path_for", "KernelPath", "TorchPath", "run_swiglu_forward", "run_swiglu_backward",
            "run_silu_mul_forward", "run_silu_mul_backward", "run_swiglu_forward_fp8", "run_swiglu_backward_fp8",
            "h_over_gate", "gate_half", "batch_first"]
 
@@ -153,11 +153,15 @@ def path_for(x: torch.Tensor, spec: GLUActivation, launcher=None):
     if launcher is None:
         launcher = forced_launcher()
     config = current_launch_config()
-    key = (id(launcher), id(spec), x.dtype, x.device, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
+    key = _path_key(launcher, spec, x, config)
     entry = _PATHS.get(key)
     if entry is not None:  # these very objects: the entry keeps them alive, and live objects' ids are unique
         return entry[3]
     return _decide(launcher, spec, x, config, key)
+
+
+def _path_key(launcher, spec: GLUActivation, x: torch.Tensor, config) -> tuple:
+    return id(launcher), id(spec), x.dtype, x.device, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND
 
 
 def _decide(launcher, spec, x, config, key):
@@ -180,11 +184,24 @@ def eager_path(x: torch.Tensor, spec: GLUActivation):
     torch.func transform (``route`` decides per primitive there)."""
     if torch.compiler.is_compiling() or functorch_transforms_active() or is_functorch_wrapped(x):
         return None
-    # path_for's lookup inline (a Python frame less on every call); its answer when not cached.
+    # path_for's lookup and ``_path_key`` inline (Python frames less on every call).
     launcher, config = forced_launcher(), current_launch_config()
     key = (id(launcher), id(spec), x.dtype, x.device, id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
     entry = _PATHS.get(key)
     return entry[3] if entry is not None else _decide(launcher, spec, x, config, key)
+
+
+def lasting_path(x: torch.Tensor, spec: GLUActivation):
+    """(path, lasting) for an eager call on ``x`` (the caller made
+    ``eager_path``'s tracer checks): ``lasting`` when the decision is kept
+    until ``first_use_check.reset`` (which a caller keeping it must follow)."""
+    launcher, config = forced_launcher(), current_launch_config()
+    key = _path_key(launcher, spec, x, config)
+    entry = _PATHS.get(key)
+    if entry is not None:
+        return entry[3], True
+    path = _decide(launcher, spec, x, config, key)
+    return path, key in _PATHS
 
 
 def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, spec: GLUActivation):
