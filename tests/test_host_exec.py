@@ -415,15 +415,17 @@ def test_whole_function_with_host_kernels_for_a_variant(host_launcher, spec):
         assert rel_rms(p.grad, p_ref.grad) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [(3, 5), (15,)], ids=["3d", "2d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_separate_weights_keep_gate_and_up_apart_with_host_kernels(host_launcher, dtype):
+def test_separate_weights_keep_gate_and_up_apart_with_host_kernels(host_launcher, dtype, rows):
     """Separate gate/up weights: gate and up are their own GEMMs' outputs,
     which the kernel reads where they lie (no x12 buffer); under no_grad it
     writes h over gate. inplace_backward (dx12 over x12) keeps one x12. All
-    three give the same y and gradients, bit for bit, and match fp64."""
+    three give the same y and gradients, bit for bit, and match fp64 (a 2-D x
+    takes the backward's inline GEMMs)."""
     torch.manual_seed(0)
     D, H, O = 32, 48, 24
-    x = torch.randn(3, 5, D).to(dtype)
+    x = torch.randn(*rows, D).to(dtype)
     w1, w2 = ((torch.randn(H, D) / 6).to(dtype).requires_grad_() for _ in range(2))
     b1, b2 = (torch.randn(H).to(dtype).requires_grad_() for _ in range(2))
     w3, b3 = (torch.randn(O, H) / 7).to(dtype).requires_grad_(), torch.randn(O).to(dtype).requires_grad_()
@@ -453,7 +455,7 @@ def test_separate_weights_keep_gate_and_up_apart_with_host_kernels(host_launcher
     assert [p[0] for p in pointers] == ["swiglu_forward_vec_p1", "swiglu_backward_vec_p1"] * 2 + [
         "swiglu_forward_vec_p1"]
     (y, grads), (y_packed, grads_packed) = results
-    assert torch.equal(y, y_packed) and torch.equal(y_no_grad, y) and y.shape == (3, 5, O)
+    assert torch.equal(y, y_packed) and torch.equal(y_no_grad, y) and y.shape == (*rows, O)
     assert all(torch.equal(g, g_packed) for g, g_packed in zip(grads, grads_packed))
     ref = [t.detach().double().requires_grad_() for t in (x, *params)]
     w12, b12 = torch.cat([ref[1], ref[3]]), torch.cat([ref[2], ref[4]])
@@ -464,6 +466,41 @@ def test_separate_weights_keep_gate_and_up_apart_with_host_kernels(host_launcher
     for g, g_ref in zip(grads, grads_ref):
         assert_nontrivial(g, "grad")
         assert rel_rms(g, g_ref) < tol
+
+
+@pytest.mark.parametrize("frozen", ["w1", "w2"])
+def test_separate_weights_with_one_projection_frozen(host_launcher, frozen):
+    """A frozen gate (or up) weight gets no gradient and costs no GEMM; the
+    others' match fp64 (kernels forward and backward, a 2-D x)."""
+    torch.manual_seed(1)
+    D, H, O = 16, 24, 8
+    x = torch.randn(6, D, requires_grad=True)
+    w = {"w1": torch.randn(H, D) / 4, "w2": torch.randn(H, D) / 4, "w3": torch.randn(O, H) / 5}
+    for name, t in w.items():
+        t.requires_grad_(name != frozen)
+    mms = []
+    real_mm = torch.mm
+
+    def counting_mm(*args, **kwargs):
+        mms.append(args[0].shape)
+        return real_mm(*args, **kwargs)
+
+    with primitives_on_host_kernels(host_launcher):
+        y = swiglu_cupy.swiglu_unpacked(x, w["w1"], None, w["w2"], None, w["w3"], None)
+        trainable = [x] + [t for t in w.values() if t.requires_grad]
+        torch.mm = counting_mm
+        try:
+            grads = torch.autograd.grad(y, trainable, torch.ones_like(y))
+        finally:
+            torch.mm = real_mm
+    assert len(mms) == 4  # dh, dx's first half, the trainable half's dW, dw3 (dx's second: addmm_)
+    ref = {k: t.detach().double().requires_grad_() for k, t in {"x": x, **w}.items()}
+    y_ref = swiglu_cupy.glu_ffn_reference(ref["x"], torch.cat([ref["w1"], ref["w2"]]), None, ref["w3"], None)
+    names = ["x"] + [k for k, t in w.items() if t.requires_grad]
+    grads_ref = torch.autograd.grad(y_ref, [ref[k] for k in names], torch.ones_like(y_ref))
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert_nontrivial(g, name)
+        assert rel_rms(g, g_ref) < 1e-6, name
 
 
 def test_separate_gate_and_up_saved_by_kernels_reach_a_torch_backward(host_launcher):

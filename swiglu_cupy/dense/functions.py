@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .._autograd import LeanApplyFunction, first_order_backward, mark_saved_only
+from .._dtypes import FULL_PRECISION_DTYPES
 from .._torch_compat import is_functorch_wrapped, is_transformed
 from ..activations import SILU, GLUActivation
 from ..primitives import dispatch, route
@@ -180,13 +181,20 @@ class SwiGLUFunction(LeanApplyFunction):
             dx12, h = (route.backward(x12, dh, inplace, activation) if path is None  # one fused pass
                        else path.backward(x12, dh, inplace))
         dx = dw1 = db1 = dw2 = db2 = dw3 = db3 = None
-        if need_x:  # packed weights and a 2-D x: the GEMM itself, as ``gemm`` would run it (3 frames less)
-            dx = (torch.mm(dx12, w1) if w2 is None and x.dim() == 2
-                  else _gemm.input_grad(dx12, w1, w2, x.shape))             # GEMM 2 (and 3 unpacked)
-        # .T and chunk: one cheap call each (.t() and each slice cost the argument parser ~1 us)
+        # Separate weights: dgate and dup, the halves of dx12, viewed once for every GEMM below
+        # (.T and chunk: one cheap call each; .t() and each slice cost the argument parser ~1 us).
+        dgate, dup = (None, None) if w2 is None else dx12.chunk(2, 1)
+        if need_x:  # a 2-D x (16-bit separate weights aside): the GEMMs themselves, as ``gemm`` would run them
+            if x.dim() != 2 or (w2 is not None and dx12.dtype not in FULL_PRECISION_DTYPES):
+                dx = _gemm.input_grad(dx12, w1, w2, x.shape)              # GEMM 2 (one: see input_grad_weights)
+            else:
+                dx = torch.mm(dx12, w1) if w2 is None else torch.mm(dgate, w1).addmm_(dup, w2)  # GEMM 2 (and 3)
         if need_w1 or need_w2:
-            dw12 = torch.mm(dx12.T, x2d)                                   # GEMM
-            dw1, dw2 = (dw12, None) if w2 is None else dw12.chunk(2)
+            if w2 is None:
+                dw1 = torch.mm(dx12.T, x2d)                                # GEMM
+            else:  # each half's own GEMM: its gradient is a tensor of its own, not a view of both
+                dw1 = torch.mm(dgate.T, x2d) if need_w1 else None
+                dw2 = torch.mm(dup.T, x2d) if need_w2 else None
         if need_b1 or need_b2:
             db12 = dx12.sum(0)
             db1, db2 = (db12, None) if w2 is None else db12.chunk(2)

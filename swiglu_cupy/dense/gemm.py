@@ -78,7 +78,7 @@ def input_grad_rows(dx12: torch.Tensor, w1: torch.Tensor, w2, out: torch.Tensor 
         return torch.mm(dx12, w1) if out is None else torch.mm(dx12, w1, out=out)
     dgate, dup = dx12.chunk(2, 1)  # one call for both halves' views (slicing costs ~1.5 us each)
     if out is None:
-        return torch.addmm(torch.mm(dgate, w1), dup, w2)
+        return torch.mm(dgate, w1).addmm_(dup, w2)  # the sum in place: no second [M, D] allocation
     torch.mm(dgate, w1, out=out)
     return out.addmm_(dup, w2)
 

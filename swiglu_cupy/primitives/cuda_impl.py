@@ -343,7 +343,16 @@ def swiglu_backward_halves_on(plan: LaunchPlan, launcher, device: torch.device, 
     specs): the kernel of ``swiglu_backward_on`` with its own pointer and row
     stride for each half."""
     M, H = gate.shape
-    (gate, gate_ld), (up, up_ld), (dh, dh_ld) = _unit_rows(gate), _unit_rows(up), _unit_rows(dh)
+    # ``_unit_rows`` inline: separate weights' backward takes this hot path.
+    gate_ld, step = gate.stride()
+    if step != 1 and H > 1:
+        gate, gate_ld = gate.contiguous(), H
+    up_ld, step = up.stride()
+    if step != 1 and H > 1:
+        up, up_ld = up.contiguous(), H
+    dh_ld, step = dh.stride()
+    if step != 1 and H > 1:
+        dh, dh_ld = dh.contiguous(), H
     dx12 = gate.new_empty(M, 2 * H)
     h = gate.new_empty(M, H)
     dx = dx12.data_ptr()
