@@ -49,6 +49,16 @@ class LeanApplyFunction(torch.autograd.Function):
                 return cls._bound_cpp_apply(*args)
         return super().apply(*args)
 
+    @classmethod
+    def apply_unwrapped(cls, *args):
+        """``apply`` for a caller that knows no torch.func transform is active
+        and no argument is a tensor from one (the dense API's common case,
+        which checked each tensor once): torch's C++ apply without the
+        per-argument loop (~3 us of a decode-sized call). The same graph."""
+        if cls._bound_cpp_apply is None:
+            return cls.apply(*args)
+        return cls._bound_cpp_apply(*args)
+
 
 def graph_needed(*tensors) -> bool:
     """Whether the Function must be applied: grad mode (a graph may be

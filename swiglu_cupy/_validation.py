@@ -13,6 +13,7 @@ import sys
 import torch
 
 from ._dtypes import FP8_SAVED_X12_DTYPES, SUPPORTED_DTYPES
+from ._torch_compat import is_functorch_wrapped
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -181,7 +182,9 @@ def check_down_shapes(w3, b3, H: int) -> None:
 
 def common_case(x, weights, biases) -> bool:
     """Plain dense tensors of one supported dtype and one device (not meta),
-    contiguous weights: every per-tensor check holds, only shapes are left.
+    contiguous weights, none left wrapped by a torch.func transform: every
+    per-tensor check holds, only shapes are left (and the Function may be
+    applied without torch's unwrapping: ``apply_unwrapped``).
 
     A device is compared as (``is_cuda``, ``get_device()``, ``is_meta``), a
     bool and an int each, not as a ``torch.device``: building those objects
@@ -195,13 +198,16 @@ def common_case(x, weights, biases) -> bool:
     if dtype not in SUPPORTED_DTYPES:
         return False
     try:  # non-strided layouts report non-contiguous (or raise)
+        # A transform wraps into plain torch.Tensor objects, never Parameters: only those are asked.
         for w in weights:
             if (type(w) not in _PLAIN_TENSORS or w.dtype is not dtype or w.is_cuda is not cuda
-                    or w.get_device() != index or w.is_meta or not w.is_contiguous()):
+                    or w.get_device() != index or w.is_meta or not w.is_contiguous()
+                    or (w.__class__ is torch.Tensor and is_functorch_wrapped(w))):
                 return False
         for b in biases:
             if b is not None and (type(b) not in _PLAIN_TENSORS or b.dtype is not dtype or b.is_cuda is not cuda
-                                  or b.get_device() != index or b.is_meta or not b.is_contiguous()):
+                                  or b.get_device() != index or b.is_meta or not b.is_contiguous()
+                                  or (b.__class__ is torch.Tensor and is_functorch_wrapped(b))):
                 return False
     except Exception:
         return False

@@ -15,6 +15,7 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import swiglu_cupy as sc
+from swiglu_cupy import _validation as check
 from swiglu_cupy import primitives
 from swiglu_cupy.primitives import ops
 from conftest import assert_nontrivial, onnx_run_with_standard_ops
@@ -345,9 +346,10 @@ def test_func_and_export_of_swiglu_unpacked():
 
 def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
     """x is plain, so the call is eager; a weight that escaped a finished
-    transform still goes through torch's apply (the lean apply sees it),
-    which unwraps it: the gradient reaches the original weight (the C++
-    apply alone loses it)."""
+    transform leaves the API's common case (whose calls skip the unwrapping)
+    and goes through torch's apply (the lean apply sees it), which unwraps
+    it: the gradient reaches the original weight (the C++ apply alone loses
+    it)."""
     leaked = []
     torch.manual_seed(0)
     w12 = torch.randn(2 * H, D, dtype=torch.float64, requires_grad=True)
@@ -356,6 +358,13 @@ def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
     (dead,) = leaked
     assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
     x = _x(3)
+    assert check.common_packed_case(x, w12.detach(), None, w3, None)
+    assert not check.common_packed_case(x, dead, None, w3, None)
+    torch.func.vjp(lambda t: leaked.append(t) or t * 1, torch.zeros(H, dtype=torch.float64, requires_grad=True))
+    dead_bias, halves = leaked[1], w12.detach().chunk(2)
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead_bias)
+    assert check.common_unpacked_case(x, halves[0], None, halves[1], None, w3, None)
+    assert not check.common_unpacked_case(x, halves[0], None, halves[1], dead_bias, w3, None)  # a bias too
     y = sc.swiglu(x, dead, None, w3, None)
     y.pow(2).sum().backward()
     got, w12.grad = w12.grad, None

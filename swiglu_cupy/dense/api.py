@@ -33,15 +33,18 @@ _SILU_MUL_ROLES = {"gate": Role.INPUT, "up": Role.INPUT}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
+def _run(args: list, options: SwiGLUOptions, tile_rows, common: bool) -> torch.Tensor:
     """The one place SwiGLUFunction is applied, with the call's options and
-    path (:func:`_decide`; ``tile_rows`` as given). Under autocast every input
-    is first cast to the autocast dtype, like nn.Linear, and the Function
-    runs with autocast off (it picks its own precision), on the path for the
-    cast dtype."""
+    path (:func:`_decide`; ``tile_rows`` as given). ``common``: the arguments
+    passed ``check.common_case`` (no tensor left wrapped by a transform), so
+    an eager call applies the Function without torch's unwrapping. Under
+    autocast every input is first cast to the autocast dtype, like
+    nn.Linear, and the Function runs with autocast off (it picks its own
+    precision), on the path for the cast dtype."""
     x = args[0]
     if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
-        return under_autocast(x.device.type, args, lambda cast: _run(cast, _for_cast(options, cast[0]), tile_rows))
+        return under_autocast(x.device.type, args,
+                              lambda cast: _run(cast, _for_cast(options, cast[0]), tile_rows, common))
     # Untiled (the default) costs nothing more on this per-call path.
     tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
                                                          args[5].shape[1], x.dtype)
@@ -52,7 +55,9 @@ def _run(args: list, options: SwiGLUOptions, tile_rows) -> torch.Tensor:
             check.check_fp8_compute_dtype(x.dtype)
         if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
             return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
-        return SwiGLUFunction.apply(*args, options, False, tile)
+        # An eager path: no transform is active and x is not wrapped (``_decide``), nor, in the
+        # common case, any other tensor.
+        return (SwiGLUFunction.apply_unwrapped if common else SwiGLUFunction.apply)(*args, options, False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
     return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
@@ -150,13 +155,14 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     float32 (4 bytes per weight element during backward); False accumulates in their dtype.
     See docs/long-context.md.
     """
-    if not check.common_packed_case(x, w12, b12, w3, b3):
+    common = check.common_packed_case(x, w12, b12, w3, b3)
+    if not common:
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
     options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
                       False)
-    return _run([x, w12, b12, None, None, w3, b3], options, tile_rows)
+    return _run([x, w12, b12, None, None, w3, b3], options, tile_rows, common)
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -174,13 +180,14 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
     have no interleaving).
     """
-    if not check.common_unpacked_case(x, w1, b1, w2, b2, w3, b3):
+    common = check.common_unpacked_case(x, w1, b1, w2, b2, w3, b3)
+    if not common:
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
         check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
     options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
                       True)
-    return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows)
+    return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows, common)
 
 
 def _from_dlpack_module(array):
