@@ -40,6 +40,18 @@ functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_acti
 # function, a frame slower.
 jit_tracing = _private(torch._C, "_is_tracing", torch.jit.is_tracing, "each fused call is a little slower")
 
+# ``ctx.save_for_backward(*tensors)`` is a Python method whose whole body is
+# ``self.to_save = tensors`` (2.11 to 2.14): the hot ``setup_context`` sets
+# that attribute itself where this holds, a Python frame less per call. If
+# the method ever does more: the method, as torch defines it.
+def _save_is_to_save() -> bool:
+    method = getattr(getattr(torch.autograd.function, "FunctionCtx", None), "save_for_backward", None)
+    code = getattr(method, "__code__", None)
+    return code is not None and code.co_names == ("to_save",)
+
+
+SAVE_IS_TO_SAVE: bool = _save_is_to_save()
+
 # True while autocast is on for any device type: one C call with no argument,
 # where asking for the input's device type first builds a torch.device and
 # parses its name. If it goes: every call asks for its device type (a speed

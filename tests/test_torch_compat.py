@@ -1,5 +1,6 @@
 """_torch_compat: each private torch internal still behaves as the package
 assumes. A failure here means torch changed it: read the note beside it."""
+import pytest
 import torch
 
 from swiglu_cupy import _torch_compat as compat
@@ -190,3 +191,33 @@ def test_the_reference_with_the_installed_rule_is_torch_clamp():
         glu_reference(gate, up, spec, clamp_gradient_at_bound=rule).nansum().backward()
         grads.append((gate.grad, up.grad))
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0, equal_nan=True)
+
+
+def test_setting_to_save_is_save_for_backward():
+    """The hot setup_context sets ``ctx.to_save`` itself where SAVE_IS_TO_SAVE
+    (the method's whole body): the tensors come back in backward, unpacked
+    by torch (a version check included), as the method would save them."""
+    assert compat.SAVE_IS_TO_SAVE, "FunctionCtx.save_for_backward does more than set to_save now"
+
+    class Saving(torch.autograd.Function):
+        @staticmethod
+        def forward(x, w):
+            return x * w
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.to_save = inputs
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g * w, g * x
+
+    x, w = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    Saving.apply(x, w).sum().backward()
+    assert torch.equal(x.grad, w.detach()) and torch.equal(w.grad, x.detach())
+    y = Saving.apply(x, w)
+    with torch.no_grad():
+        w.mul_(2)  # a saved tensor modified in place: torch's version check still runs
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .._autograd import LeanApplyFunction, first_order_backward, mark_saved_only
 from .._dtypes import FULL_PRECISION_DTYPES
-from .._torch_compat import is_functorch_wrapped, is_transformed
+from .._torch_compat import SAVE_IS_TO_SAVE, is_functorch_wrapped, is_transformed
 from ..activations import SILU, GLUActivation
 from ..primitives import dispatch, route
 from ..primitives.dispatch import batch_first
@@ -125,7 +125,10 @@ class SwiGLUFunction(LeanApplyFunction):
             ctx.save_for_backward(x, w1, b1, w2, b2, w3, saved[0])
         elif options.recompute_gate_up:
             ctx.save_for_backward(x, w1, b1, w2, b2, w3)
-        else:  # x12, or gate and up apart (``swiglu_forward_pass``)
+        elif SAVE_IS_TO_SAVE and options.path is not None:
+            # save_for_backward's own body, inline, eager only (a frame less; Dynamo models the method)
+            ctx.to_save = (x, w1, w2, w3, *saved)  # x12, or gate and up apart (``swiglu_forward_pass``)
+        else:
             ctx.save_for_backward(x, w1, w2, w3, *saved)
         if options.inplace_backward:
             ctx.backward_done = False
