@@ -162,3 +162,14 @@ def test_backward_is_first_order_only(name):
     assert torch.equal(graphed, plain) and plain.abs().sum() > 0
     with pytest.raises(RuntimeError, match="once_differentiable"):
         graphed.sum().backward()
+
+
+def test_apply_unwrapped_is_torchs_own_apply():
+    """The dense API's common case applies the Function through torch's C++
+    apply itself (the graph-building apply, never ``forward``); where that is
+    unavailable, through ``apply``."""
+    from swiglu_cupy import _torch_compat
+
+    assert _torch_compat.cpp_apply is not None
+    assert SwiGLUFunction.apply_unwrapped == _torch_compat.cpp_apply.__get__(None, SwiGLUFunction)
+    assert SwiGLUFunction.apply_unwrapped != _torch_compat.cpp_apply.__get__(None, SiluMulFunction)
