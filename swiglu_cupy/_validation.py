@@ -180,11 +180,15 @@ def check_down_shapes(w3, b3, H: int) -> None:
 
 # ---- the cheap pass --------------------------------------------------------------------------
 
-def common_case(x, weights, biases) -> bool:
-    """Plain dense tensors of one supported dtype and one device (not meta),
-    contiguous weights, none left wrapped by a torch.func transform: every
-    per-tensor check holds, only shapes are left (and the Function may be
-    applied without torch's unwrapping: ``apply_unwrapped``).
+def common_case(x, w1, b1, w2, b2, w3, b3, packed: bool) -> bool:
+    """Whether a feed-forward call is the common one, in one pass (one frame
+    on the hot path): plain dense tensors of one supported dtype and one
+    device (not meta), contiguous weights, none left wrapped by a torch.func
+    transform, and shapes that fit (``packed``: ``w1``/``b1`` are w12 and b12,
+    and ``w2``/``b2`` must be None; the shapes of ``check_packed_shapes`` or
+    ``check_unpacked_shapes``). True: every check holds (and the Function may
+    be applied without torch's unwrapping: ``apply_unwrapped``); False sends
+    the call through the full checks, for the precise error.
 
     A device is compared as (``is_cuda``, ``get_device()``, ``is_meta``), a
     bool and an int each, not as a ``torch.device``: building those objects
@@ -197,50 +201,24 @@ def common_case(x, weights, biases) -> bool:
     dtype, cuda, index = x.dtype, x.is_cuda, x.get_device()
     if dtype not in SUPPORTED_DTYPES:
         return False
-    try:  # non-strided layouts report non-contiguous (or raise)
+    try:  # non-strided layouts report non-contiguous (or raise); a rank other than 2 fails to unpack
         # A transform wraps into plain torch.Tensor objects, never Parameters: only those are asked.
-        for w in weights:
-            if (type(w) not in _PLAIN_TENSORS or w.dtype is not dtype or w.is_cuda is not cuda
-                    or w.get_device() != index or w.is_meta or not w.is_contiguous()
-                    or (w.__class__ is torch.Tensor and is_functorch_wrapped(w))):
+        if w1 is None or w3 is None or (w2 is None) is not packed or (packed and b2 is not None):
+            return False
+        for t in (w1, w3, w2, b1, b2, b3):
+            if t is not None and (type(t) not in _PLAIN_TENSORS or t.dtype is not dtype or t.is_cuda is not cuda
+                                  or t.get_device() != index or t.is_meta or not t.is_contiguous()
+                                  or (t.__class__ is torch.Tensor and is_functorch_wrapped(t))):
                 return False
-        for b in biases:
-            if b is not None and (type(b) not in _PLAIN_TENSORS or b.dtype is not dtype or b.is_cuda is not cuda
-                                  or b.get_device() != index or b.is_meta or not b.is_contiguous()
-                                  or (b.__class__ is torch.Tensor and is_functorch_wrapped(b))):
-                return False
-    except Exception:
-        return False
-    return True
-
-
-def common_packed_case(x, w12, b12, w3, b3) -> bool:
-    """``common_case`` and ``check_packed_shapes`` in one pass, for the hot
-    packed call; False sends the call through both for the precise error."""
-    if not common_case(x, (w12, w3), (b12, b3)):
-        return False
-    try:
-        rows, D = w12.shape
+        rows, D = w1.shape
         O, H = w3.shape
-        return (x.shape[-1] == D and rows == 2 * H and H > 0
-                and (b12 is None or b12.shape == (rows,)) and (b3 is None or b3.shape == (O,)))
-    except (ValueError, IndexError):  # a rank other than 2, or a 0-d x
-        return False
-
-
-def common_unpacked_case(x, w1, b1, w2, b2, w3, b3) -> bool:
-    """``common_case`` and ``check_unpacked_shapes`` in one pass, for the hot
-    call with separate gate/up weights (a patched HF MLP); False sends the
-    call through both for the precise error."""
-    if not common_case(x, (w1, w2, w3), (b1, b2, b3)):
-        return False
-    try:
-        H, D = w1.shape
-        O, H3 = w3.shape
-        return (x.shape[-1] == D and H > 0 and H3 == H and w2.shape == w1.shape
+        if packed:  # w1 is w12 [2H, D]
+            return (x.shape[-1] == D and rows == 2 * H and H > 0
+                    and (b1 is None or b1.shape == (rows,)) and (b3 is None or b3.shape == (O,)))
+        return (x.shape[-1] == D and H > 0 and rows == H and w2.shape == w1.shape
                 and (b1 is None or b1.shape == (H,)) and (b2 is None or b2.shape == (H,))
                 and (b3 is None or b3.shape == (O,)))
-    except (ValueError, IndexError):  # a rank other than 2, or a 0-d x
+    except (ValueError, IndexError, RuntimeError):
         return False
 
 

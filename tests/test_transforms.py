@@ -358,13 +358,13 @@ def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
     (dead,) = leaked
     assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
     x = _x(3)
-    assert check.common_packed_case(x, w12.detach(), None, w3, None)
-    assert not check.common_packed_case(x, dead, None, w3, None)
+    assert check.common_case(x, w12.detach(), None, None, None, w3, None, True)
+    assert not check.common_case(x, dead, None, None, None, w3, None, True)
     torch.func.vjp(lambda t: leaked.append(t) or t * 1, torch.zeros(H, dtype=torch.float64, requires_grad=True))
     dead_bias, halves = leaked[1], w12.detach().chunk(2)
     assert torch._C._functorch.is_functorch_wrapped_tensor(dead_bias)
-    assert check.common_unpacked_case(x, halves[0], None, halves[1], None, w3, None)
-    assert not check.common_unpacked_case(x, halves[0], None, halves[1], dead_bias, w3, None)  # a bias too
+    assert check.common_case(x, halves[0], None, halves[1], None, w3, None, False)
+    assert not check.common_case(x, halves[0], None, halves[1], dead_bias, w3, None, False)  # a bias too
     y = sc.swiglu(x, dead, None, w3, None)
     y.pow(2).sum().backward()
     got, w12.grad = w12.grad, None

@@ -74,11 +74,49 @@ def test_unpacked_shape_faults_leave_the_common_case_and_name_the_argument(index
     from swiglu_cupy import _validation as check
 
     args = list(_unpacked())
-    assert check.common_unpacked_case(*args)
+    assert check.common_case(*args, False)
     args[index] = bad
-    assert not check.common_unpacked_case(*args)
+    assert not check.common_case(*args, False)
     with pytest.raises(ValueError, match=match):
         sc.swiglu_unpacked(*args)
+
+
+PACKED_SHAPE_FAULTS = [  # (index in (x, w12, b12, w3, b3), replacement, the error's words)
+    (1, torch.randn(8, 7), "w12 must be \\[2H, D\\] with D = x.shape\\[-1\\] = 6"),
+    (1, torch.randn(7, 6), "w12 must have 2H rows"),
+    (1, torch.randn(8, 6, 1), "w12 must be 2-D"),
+    (2, torch.randn(7), "b12 must have shape \\(8,\\)"),
+    (3, torch.randn(5, 3), "w3 must be 2-D \\[O, H\\] with H = 4"),
+    (4, torch.randn(4), "b3 must have shape \\(5,\\)"),
+    (0, torch.tensor(1.0), "x must have shape \\[..., D\\], got a 0-d tensor"),
+]
+
+
+@pytest.mark.parametrize("index,bad,match", PACKED_SHAPE_FAULTS)
+def test_packed_shape_faults_leave_the_common_case_and_name_the_argument(index, bad, match):
+    from swiglu_cupy import _validation as check
+
+    x, w1, b1, w2, b2, w3, b3 = _unpacked()
+    args = [x, torch.cat([w1, w2]), torch.cat([b1, b2]), w3, b3]
+    assert check.common_case(args[0], args[1], args[2], None, None, args[3], args[4], True)
+    args[index] = bad
+    assert not check.common_case(args[0], args[1], args[2], None, None, args[3], args[4], True)
+    with pytest.raises(ValueError, match=match):
+        sc.swiglu(*args)
+
+
+def test_a_missing_up_weight_is_never_taken_for_packed_weights():
+    """swiglu_unpacked with w2=None and a w1 of packed shape [2H, D] leaves the
+    common case (which is told the layout) and is refused, naming w2."""
+    from swiglu_cupy import _validation as check
+
+    x, w1, b1, w2, b2, w3, b3 = _unpacked()
+    w12 = torch.cat([w1, w2])
+    assert check.common_case(x, w12, None, None, None, w3, b3, True)
+    assert not check.common_case(x, w12, None, None, None, w3, b3, False)
+    assert not check.common_case(x, w12, None, None, b2, w3, b3, True)  # a packed call has no b2
+    with pytest.raises(TypeError, match="w2 must be a torch.Tensor"):
+        sc.swiglu_unpacked(x, w12, None, None, None, w3, b3)
 
 
 def test_unpacked_common_case_without_biases_matches_the_reference():
@@ -103,7 +141,7 @@ def test_a_meta_tensor_anywhere_leaves_the_common_case_and_is_named(index):
     args = list(_unpacked())
     names = ["x", "w1", "b1", "w2", "b2", "w3", "b3"]
     args[index] = args[index].to("meta")
-    assert not check.common_unpacked_case(*args)
+    assert not check.common_case(*args, False)
     with pytest.raises(ValueError, match=f"{names[index]} is a meta tensor"):
         sc.swiglu_unpacked(*args)
 
@@ -117,4 +155,4 @@ def test_the_common_case_compares_devices_like_torch_device_equality():
     for dx in ("cpu", "meta"):
         for dw in ("cpu", "meta"):
             same = torch.device(dx) == torch.device(dw) and dx != "meta"  # meta never takes the common case
-            assert check.common_packed_case(x.to(dx), w12.to(dw), None, w3.to(dw), None) is same, (dx, dw)
+            assert check.common_case(x.to(dx), w12.to(dw), None, None, None, w3.to(dw), None, True) is same, (dx, dw)

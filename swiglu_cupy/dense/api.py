@@ -33,41 +33,6 @@ _SILU_MUL_ROLES = {"gate": Role.INPUT, "up": Role.INPUT}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _run(args: list, options: SwiGLUOptions, tile_rows, common: bool) -> torch.Tensor:
-    """The one place SwiGLUFunction is applied, with the call's options and
-    path (:func:`_decide`; ``tile_rows`` as given). ``common``: the arguments
-    passed ``check.common_case`` (no tensor left wrapped by a transform), so
-    an eager call applies the Function without torch's unwrapping. Under
-    autocast every input is first cast to the autocast dtype, like
-    nn.Linear, and the Function runs with autocast off (it picks its own
-    precision), on the path for the cast dtype."""
-    x = args[0]
-    if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
-        return under_autocast(x.device.type, args,
-                              lambda cast: _run(cast, _for_cast(options, cast[0]), tile_rows, common))
-    # Untiled (the default) costs nothing more on this per-call path.
-    tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
-                                                         args[5].shape[1], x.dtype)
-    path = options.path
-    # Traced or transformed (no path), a graph is always recorded; eager, when grad mode is on.
-    if path is None or torch.is_grad_enabled():
-        if options.saved_x12_fp8:
-            check.check_fp8_compute_dtype(x.dtype)
-        if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
-            return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
-        # An eager path: no transform is active and x is not wrapped (``_decide``), nor, in the
-        # common case, any other tensor.
-        return (SwiGLUFunction.apply_unwrapped if common else SwiGLUFunction.apply)(*args, options, False, tile)
-    # No grad: no graph can be recorded, so the Function (whose only job is
-    # the graph) is skipped; the same forward pass runs, in inference mode.
-    return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
-
-
-def _for_cast(options: SwiGLUOptions, x: torch.Tensor) -> SwiGLUOptions:
-    """An eager call's options with the path for autocast's dtype (``x`` cast)."""
-    return options if options.path is None else options._replace(path=dispatch.eager_path(x, options.activation))
-
-
 #: (activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32, halves_only, id(launcher),
 #: dtype, device, id(launch config), clamp rule) -> (activation, launcher, config, options): each
 #: eager call's decision, its path bound in. A repeated call is this one lookup. A spec is keyed
@@ -79,44 +44,80 @@ _DECIDED: dict[tuple, tuple] = {}
 first_use_check.on_reset.append(_DECIDED.clear)
 
 
-def _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
-            halves_only: bool) -> SwiGLUOptions:
-    """The call, decided once at the API: its checked :class:`SwiGLUOptions`
-    with its path (kernels or torch, self-check verdict included), or path
-    None under a tracer or a torch.func transform (decided per primitive
-    there). Raises inside torch.jit.trace. ``tile_rows`` is checked here,
-    resolved per call."""
+def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+         halves_only: bool, common: bool) -> torch.Tensor:
+    """The one place a feed-forward call is decided and SwiGLUFunction
+    applied. Decided once, here: the settings (checked; each bad one raises,
+    naming its argument), the route and the path (kernels or torch,
+    self-check verdict included), bound into the call's
+    :class:`SwiGLUOptions`; under a tracer or a torch.func transform there is
+    no path (decided per primitive there); inside torch.jit.trace it raises.
+    ``common``: the arguments passed ``check.common_case`` (no tensor left
+    wrapped by a transform), so an eager call applies the Function without
+    torch's unwrapping. Under autocast every input is first cast to the
+    autocast dtype, like nn.Linear, and the Function runs with autocast off
+    (it picks its own precision), decided for the cast dtype."""
+    x = args[0]
+    if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
+        return under_autocast(x.device.type, args, lambda cast: _run(
+            cast, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+            halves_only, common))
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
+    options = None
     # Dynamo folds is_compiling to True: the eager branches below (the cache, whose contents
     # it would guard on, and the C-level jit check it cannot trace) are never traced.
     if torch.compiler.is_compiling():
-        return _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
-                                halves_only)
-    if jit_tracing():
+        pass
+    elif jit_tracing():
         check.reject_jit()
-    if functorch_transforms_active() or is_functorch_wrapped(x):
-        return _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
-                                halves_only)
-    launcher, config = forced_launcher(), current_launch_config()
-    key = None
-    if (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
-            and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
-            and (activation.__class__ is str or activation.__class__ is GLUActivation)):
-        key = (activation if activation.__class__ is str else id(activation), recompute_gate_up, inplace_backward,
-               saved_x12, tile_grads_fp32, halves_only, id(launcher), x.dtype, x.device, id(config),
-               _torch_compat.CLAMP_GRADIENT_AT_BOUND)
-        entry = _DECIDED.get(key)
-        if entry is not None:  # an entry holds its spec, launcher and config: their ids are their own
-            return entry[3]
-    options = _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+    elif not (functorch_transforms_active() or is_functorch_wrapped(x)):  # eager: a path, kept when lasting
+        launcher, config = forced_launcher(), current_launch_config()
+        key = entry = None
+        if (recompute_gate_up.__class__ is bool and inplace_backward.__class__ is bool
+                and tile_grads_fp32.__class__ is bool and (saved_x12 is None or saved_x12.__class__ is str)
+                and (activation.__class__ is str or activation.__class__ is GLUActivation)):
+            key = (activation if activation.__class__ is str else id(activation), recompute_gate_up,
+                   inplace_backward, saved_x12, tile_grads_fp32, halves_only, id(launcher), x.dtype, x.device,
+                   id(config), _torch_compat.CLAMP_GRADIENT_AT_BOUND)
+            entry = _DECIDED.get(key)  # an entry holds its spec, launcher and config: their ids are their own
+        options = entry[3] if entry is not None else _decide_eager(
+            x, key, (activation, launcher, config), recompute_gate_up, inplace_backward, saved_x12,
+            tile_grads_fp32, halves_only)
+    if options is None:  # traced or transformed: no path
+        options = _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                                   halves_only)
+    # Untiled (the default) costs nothing more on this per-call path.
+    tile = 0 if tile_rows is None else resolve_tile_rows(tile_rows, x.numel() // max(x.shape[-1], 1),
+                                                         args[5].shape[1], x.dtype)
+    path = options.path
+    # Traced or transformed (no path), a graph is always recorded; eager, when grad mode is on.
+    if path is None or torch.is_grad_enabled():
+        if options.saved_x12_fp8:
+            check.check_fp8_compute_dtype(x.dtype)
+        if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
+            return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
+        # An eager path: no transform is active and x is not wrapped (checked above), nor, in the
+        # common case, any other tensor.
+        return (SwiGLUFunction.apply_unwrapped if common else SwiGLUFunction.apply)(*args, options, False, tile)
+    # No grad: no graph can be recorded, so the Function (whose only job is
+    # the graph) is skipped; the same forward pass runs, in inference mode.
+    return swiglu_forward_pass(*args, options.activation, True, False, False, tile, path)[0]  # inference, eager
+
+
+def _decide_eager(x, key, held: tuple, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
+                  halves_only: bool) -> SwiGLUOptions:
+    """An eager call not decided before: checked options with the path for
+    ``x`` bound in, kept under ``key`` (None: not kept) with ``held``
+    (activation, launcher, config: what the key names by id) when lasting."""
+    options = _checked_options(held[0], recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
                                halves_only)
     path, lasting = dispatch.lasting_path(x, options.activation)
     options = options._replace(path=path)
     if key is not None and lasting:
         if len(_DECIDED) >= 1024:
             _DECIDED.clear()
-        _DECIDED[key] = (activation, launcher, config, options)
+        _DECIDED[key] = (*held, options)
     return options
 
 
@@ -155,14 +156,13 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
     float32 (4 bytes per weight element during backward); False accumulates in their dtype.
     See docs/long-context.md.
     """
-    common = check.common_packed_case(x, w12, b12, w3, b3)
+    common = check.common_case(x, w12, b12, None, None, w3, b3, True)
     if not common:
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
-                      False)
-    return _run([x, w12, b12, None, None, w3, b3], options, tile_rows, common)
+    return _run([x, w12, b12, None, None, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
+                tile_rows, tile_grads_fp32, False, common)
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -180,14 +180,13 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
     have no interleaving).
     """
-    common = check.common_unpacked_case(x, w1, b1, w2, b2, w3, b3)
+    common = check.common_case(x, w1, b1, w2, b2, w3, b3, False)
     if not common:
         check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
                            _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
         check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    options = _decide(x, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
-                      True)
-    return _run([x, w1, b1, w2, b2, w3, b3], options, tile_rows, common)
+    return _run([x, w1, b1, w2, b2, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
+                tile_rows, tile_grads_fp32, True, common)
 
 
 def _from_dlpack_module(array):
