@@ -141,7 +141,8 @@ class _Counts:
                 return original(*args, **kwargs)
             monkeypatch.setattr(module, name, wrapper)
 
-        counting(plan_runner, "_whole_mlp", "whole")
+        counting(plan_runner, "swiglu", "whole")  # the whole MLP fused, either layout
+        counting(plan_runner, "swiglu_unpacked", "whole")
         counting(plan_runner, "glu_mul", "activation")
         counting(hf_experts, "route_and_combine", "experts")
 

@@ -22,20 +22,20 @@ def _counting(monkeypatch):
     ``api._DECIDED``, the backward and the primitives in ``dispatch._PATHS``)
     and of the per-primitive entry (never on the dense eager path)."""
     counts = {"decisions": 0, "per_primitive": 0}
-    real_launcher = dispatch._kernel_launcher
+    real_path = dispatch._kernel_path
 
     class CountedPaths(dict):
         def get(self, key, default=None):
             counts["decisions"] += 1
             return super().get(key, default)
 
-    def kernel_launcher(*a, **k):
+    def kernel_path(*a, **k):
         counts["per_primitive"] += 1
-        return real_launcher(*a, **k)
+        return real_path(*a, **k)
 
     monkeypatch.setattr(dispatch, "_PATHS", CountedPaths(dispatch._PATHS))
     monkeypatch.setattr(api, "_DECIDED", CountedPaths(api._DECIDED))
-    monkeypatch.setattr(dispatch, "_kernel_launcher", kernel_launcher)
+    monkeypatch.setattr(dispatch, "_kernel_path", kernel_path)
     return counts
 
 

@@ -51,9 +51,11 @@ def patched(p=0.0, cls=GatedMLP):
 
 
 def whole_calls(monkeypatch) -> list:
+    """Each run of the whole MLP in the fused op (either layout's entry point)."""
     calls = []
-    real = plan_runner._whole_mlp
-    monkeypatch.setattr(plan_runner, "_whole_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("swiglu", "swiglu_unpacked"):
+        real = getattr(plan_runner, name)
+        monkeypatch.setattr(plan_runner, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

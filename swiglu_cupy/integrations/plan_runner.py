@@ -78,20 +78,11 @@ def _is_noop(m: nn.Module) -> bool:
     return isinstance(m, DROPOUT_CLASSES) and (m.p == 0 or not m.training)
 
 
-def _whole_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None,
-               tile_rows=None):
-    """The whole MLP in the fused op, the weights used in place (views)."""
-    if plan.packed is None:  # the usual HF MLP: its modes passed as they are (no dict to build and unpack)
-        try:  # ``linear_params``'s registry reads inline: three frames less on every call
-            gate, up, down = mods[plan.gate]._parameters, mods[plan.up]._parameters, mods[plan.down]._parameters
-            wg, bg, wu, bu, wd, bd = (gate["weight"], gate["bias"], up["weight"], up["bias"], down["weight"],
-                                      down["bias"])
-        except KeyError:  # a parametrization or FSDP1's views replaced a registered entry
-            (wg, bg), (wu, bu), (wd, bd) = (linear_params(mods[plan.gate]), linear_params(mods[plan.up]),
-                                            linear_params(mods[plan.down]))
-        return swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation,
-                               recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
-                               saved_x12=saved_x12, tile_rows=tile_rows)
+def _packed_mlp(x, plan: GLUPlan, mods, recompute_gate_up: bool, inplace_backward: bool, saved_x12=None,
+                tile_rows=None):
+    """The whole MLP of a packed gate/up projection in the fused op, the
+    weights used in place (views). ``run_plan`` runs the usual separate
+    projections itself."""
     modes = dict(recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward, saved_x12=saved_x12,
                  tile_rows=tile_rows)
     wd, bd = linear_params(mods[plan.down])
@@ -113,41 +104,19 @@ def _split(y: torch.Tensor, order: str):
 
 def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     """``"mlp"``, ``"activation"`` or None: what ``run_plan`` runs now.
-    Decided once and kept on the module with the state it was decided on
-    (:func:`_fusion_state`); any change to that state decides again."""
+    Decided once and kept on the module with the state it was decided on;
+    any change to that state decides again.
+
+    The state is everything the fusion depends on, cheap to read at each
+    call (built here, a frame less per call): the plan, torch's global module
+    hooks, each projection's identity, class, whether it has a forward of its
+    own, and its hooks, and each module between the product and ``down``
+    with its mode and rate. Without DeepSpeed loaded any hook is an obstacle,
+    whichever it is, so only their presence counts; with it, whether the
+    module is a ZeRO-3 leaf and which hooks each projection has (handle ids
+    are never reused), since ZeRO-3's own hooks are none."""
     if plan is None or (plan.dropout_unproven and unproven_dropout_active(module, plan)):
         return None
-    state = _fusion_state(module, plan)
-    kept = module.__dict__.get(_FUSION_ATTR)
-    if kept is not None and kept[0] == state:
-        return kept[1]
-    fusion = _decide_fusion(module, plan)
-    module.__dict__[_FUSION_ATTR] = (state, fusion)
-    return fusion
-
-
-def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
-    """Whether a dropout whose placement the probe could not check now drops:
-    the module must run its own forward (``GLUPlan.dropout_unproven``)."""
-    mods = module._modules
-    for name in plan.dropout_unproven:
-        m = mods[name]
-        if m.training and m.p > 0:
-            return True
-    return False
-
-
-_FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
-
-
-def _fusion_state(module: nn.Module, plan: GLUPlan) -> list:
-    """Everything the fusion depends on, cheap to read at each call: the plan,
-    torch's global module hooks, each projection's identity, class, whether
-    it has a forward of its own, and its hooks, and each module between the
-    product and ``down`` with its mode and rate. Without DeepSpeed loaded any
-    hook is an obstacle, whichever it is, so only their presence counts; with
-    it, whether the module is a ZeRO-3 leaf and which hooks each projection
-    has (handle ids are never reused), since ZeRO-3's own hooks are none."""
     mods = module._modules
     ds = _zero3() if "deepspeed" in sys.modules else None  # the check inline: no call per forward without it
     # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
@@ -168,7 +137,26 @@ def _fusion_state(module: nn.Module, plan: GLUPlan) -> list:
     for name in plan.mid:
         m = mods.get(name)
         state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))
-    return state
+    kept = module.__dict__.get(_FUSION_ATTR)
+    if kept is not None and kept[0] == state:
+        return kept[1]
+    fusion = _decide_fusion(module, plan)
+    module.__dict__[_FUSION_ATTR] = (state, fusion)
+    return fusion
+
+
+def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
+    """Whether a dropout whose placement the probe could not check now drops:
+    the module must run its own forward (``GLUPlan.dropout_unproven``)."""
+    mods = module._modules
+    for name in plan.dropout_unproven:
+        m = mods[name]
+        if m.training and m.p > 0:
+            return True
+    return False
+
+
+_FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
 
 
 def _decide_fusion(module: nn.Module, plan: GLUPlan) -> str:
@@ -212,8 +200,20 @@ def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_u
     ``saved_x12`` and ``tile_rows`` reach the whole-MLP op (the activation-only
     fusion saves gate and up, as their modules gave them, and is not tiled)."""
     mods = module._modules  # decoding calls this once per token: no nn.Module.__getattr__
-    if fused and fusion_of(module, plan) == "mlp":
-        out = _whole_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
+    if fused and fusion_of(module, plan) == "mlp":  # the whole MLP in the fused op, the weights used in place
+        if plan.packed is not None:
+            out = _packed_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
+        else:  # the usual HF MLP, here (a frame less per call); its modes passed as they are
+            try:  # ``linear_params``'s registry reads inline: three frames less on every call
+                gate, up, down = mods[plan.gate]._parameters, mods[plan.up]._parameters, mods[plan.down]._parameters
+                wg, bg, wu, bu, wd, bd = (gate["weight"], gate["bias"], up["weight"], up["bias"], down["weight"],
+                                          down["bias"])
+            except KeyError:  # a parametrization or FSDP1's views replaced a registered entry
+                (wg, bg), (wu, bu), (wd, bd) = (linear_params(mods[plan.gate]), linear_params(mods[plan.up]),
+                                                linear_params(mods[plan.down]))
+            out = swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation,
+                                  recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
+                                  saved_x12=saved_x12, tile_rows=tile_rows)
     else:
         if fused:
             adopt_zero3(module, plan)

@@ -106,7 +106,7 @@ class KernelPath:
 class TorchPath:
     """The torch implementation, for one GLU spec."""
     __slots__ = ("spec",)
-    launcher = False  # as ``_kernel_launcher`` answers for the torch implementation
+    launcher = False  # no launcher: the torch implementation
     #: One x12 always: torch's CPU loops round a row's vector tail apart from its body, so the
     #: bits would depend on the layout (and the memory modes, which need one x12, would differ).
     halves_apart = False
@@ -204,49 +204,54 @@ def lasting_path(x: torch.Tensor, spec: GLUActivation):
     return path, key in _PATHS
 
 
-def _kernel_launcher(x12: torch.Tensor, implementation: str | None, launcher, spec: GLUActivation):
-    """The launcher to run the kernels with (None: the CuPy one), or False
-    for the torch implementation: also when the module (variant, dtype,
-    device, launcher, launch config) failed its first-use self-check
-    (``first_use_check``)."""
+def _kernel_path(x12: torch.Tensor, implementation: str | None, launcher, spec: GLUActivation):
+    """The :class:`KernelPath` to run the kernels with (its plans and device
+    held: the launches look nothing up), or None for the torch
+    implementation: also when the module (variant, dtype, device, launcher,
+    launch config) failed its first-use self-check (``first_use_check``)."""
     if implementation is None:
-        return path_for(x12, spec, launcher).launcher
+        path = path_for(x12, spec, launcher)
+        return None if path.launcher is False else path
     if implementation not in ("torch", "kernels"):
         raise ValueError(f"implementation must be None, 'torch' or 'kernels', got {implementation!r}")
     if implementation == "torch":
-        return False
+        return None
     chosen = launcher if launcher is not None else forced_launcher()
-    return chosen if kernels_usable(chosen, spec, x12.dtype, x12.device, current_launch_config()) else False
+    config = current_launch_config()
+    if not kernels_usable(chosen, spec, x12.dtype, x12.device, config):
+        return None
+    return KernelPath(chosen, spec, config, x12.dtype, x12.device)
 
 
 def run_swiglu_forward(x12, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(x12, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_swiglu_forward(x12, out, launcher, activation=activation)
+    path = _kernel_path(x12, implementation, launcher, activation)
+    if path is not None:
+        return path.forward(x12, out)
     return torch_impl.swiglu_forward_torch(x12, _or_new_if_half(out, (x12.shape[0], x12.shape[1] // 2), x12),
                                            activation)
 
 
 def run_swiglu_backward(x12, dh, dx12_out=None, implementation=None, launcher=None, activation=SILU):
-    launcher = _kernel_launcher(x12, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_swiglu_backward(x12, dh, dx12_out, launcher, activation=activation)
+    path = _kernel_path(x12, implementation, launcher, activation)
+    if path is not None:
+        return kernels.swiglu_backward_on(path._backward, path.launcher, path.device, x12, dh, dx12_out)
     return torch_impl.swiglu_backward_torch(x12, dh, _or_new(dx12_out, tuple(x12.shape), x12),
                                             h_out=_or_new(None, tuple(dh.shape), x12), activation=activation)
 
 
 def run_silu_mul_forward(gate, up, out=None, implementation=None, launcher=None, activation=SILU) -> torch.Tensor:
-    launcher = _kernel_launcher(gate, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_silu_mul_forward(gate, up, out, launcher, activation=activation)
+    path = _kernel_path(gate, implementation, launcher, activation)
+    if path is not None:
+        return path.forward_halves(gate, up, out)
     return torch_impl.silu_mul_forward_torch(gate, up, _or_new_if_half(out, gate.shape, gate), activation)
 
 
 def run_silu_mul_backward(gate, up, dh, dgate_out=None, dup_out=None, implementation=None, launcher=None,
                           activation=SILU):
-    launcher = _kernel_launcher(gate, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, launcher, activation=activation)
+    path = _kernel_path(gate, implementation, launcher, activation)
+    if path is not None:
+        return kernels.launch_silu_mul_backward(gate, up, dh, dgate_out, dup_out, path.launcher, path.config,
+                                                activation)
     shape = gate.shape
     return torch_impl.silu_mul_backward_torch(gate, up, dh, _or_new(dgate_out, shape, gate),
                                              _or_new(dup_out, shape, gate), activation)
@@ -273,9 +278,9 @@ def batch_first(info, t: torch.Tensor, dim) -> torch.Tensor:
 def run_swiglu_forward_fp8(x12, implementation=None, launcher=None, activation=SILU):
     """(h, saved): h from x12 as ``run_swiglu_forward``, and x12 quantized to
     the 8-bit saved tensor, in one kernel pass (the torch path: two)."""
-    launcher = _kernel_launcher(x12, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_swiglu_forward_fp8(x12, launcher, activation=activation)
+    path = _kernel_path(x12, implementation, launcher, activation)
+    if path is not None:
+        return path.forward_fp8(x12)
     h = run_swiglu_forward(x12, None, "torch", None, activation)
     return h, saved_x12.quantize_torch(x12, activation)
 
@@ -283,9 +288,9 @@ def run_swiglu_forward_fp8(x12, implementation=None, launcher=None, activation=S
 def run_swiglu_backward_fp8(saved, dh, implementation=None, launcher=None, activation=SILU):
     """(dx12, h) in dh's dtype from the 8-bit saved x12: the backward of the
     dequantized x12 (fp32 math, each output rounded once)."""
-    launcher = _kernel_launcher(dh, implementation, launcher, activation)
-    if launcher is not False:
-        return kernels.launch_swiglu_backward_fp8(saved, dh, launcher, activation=activation)
+    path = _kernel_path(dh, implementation, launcher, activation)
+    if path is not None:
+        return path.backward_fp8(saved, dh)
     x12 = saved_x12.dequantize_torch(saved, dh.shape[1], activation)
     dx12, h = torch_impl.swiglu_backward_torch(x12, dh.float(), activation=activation)
     return dx12.to(dh.dtype), h.to(dh.dtype)
