@@ -163,6 +163,8 @@ def test_bench_host_cost_quick_prints_every_entry_point_on_both_routes(tmp_path,
             reference = host_cost.REFERENCES.get(name, name)
             assert ratio == pytest.approx(case["us_per_call"][name]["median"]
                                           / case["us_per_call"][reference]["median"]), (where, name)
+            assert case["fastest_ratio_vs_reference"][name] == pytest.approx(
+                case["us_per_call"][name]["min"] / case["us_per_call"][reference]["min"]), (where, name)
             assert (case["package_frames"][name] > 0) == (name in host_cost.REFERENCES), (where, name)
             launches = case["launches_per_call"][name]
             if case["route"] == "torch route":
@@ -184,8 +186,8 @@ def test_bench_host_cost_quick_prints_every_entry_point_on_both_routes(tmp_path,
             if name in report["unavailable"]:
                 assert "unavailable: transformers" in line
             else:
-                # two routes, each with us/call (p10-p90) and a ratio
-                assert len(re.findall(r"\d\.\d\dx", line)) == 2 and line.count("(") == 2, line
+                # two routes, each with us/call (p10-p90), the medians' ratio and the fastest blocks'
+                assert len(re.findall(r"\d\.\d\dx", line)) == 4 and line.count("(") == 2, line
 
 
 def test_bench_host_cost_reports_what_cannot_be_built_and_goes_on(tmp_path, capsys, monkeypatch):
@@ -208,7 +210,7 @@ def test_bench_host_cost_reports_what_cannot_be_built_and_goes_on(tmp_path, caps
     for case in report["cases"]:
         for name in NEEDS_TRANSFORMERS:
             assert case["null_reasons"][name] == reason and case["us_per_call"][name] is None
-            assert case["ratio_vs_reference"][name] is None
+            assert case["ratio_vs_reference"][name] is None and case["fastest_ratio_vs_reference"][name] is None
         _positive_stats(case["us_per_call"]["SwiGLU"], case["mode"])
     for name in NEEDS_TRANSFORMERS:
         assert f"{name}: {reason}" in out

@@ -238,7 +238,8 @@ def silu_mul_forward_on(plan: LaunchPlan, launcher, device: torch.device, gate: 
         h_ld = H
     else:
         h, (target, h_ld) = out, _unit_rows(out)
-    plan.launch_rows(launcher, device, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()), (gate_ld, up_ld, h_ld))
+    plan.launch_rows(launcher, device, M, H, (gate.data_ptr(), up.data_ptr(), target.data_ptr()),
+                     (gate_ld, up_ld, h_ld))
     if target is not h:
         h.copy_(target)
     return h
@@ -356,8 +357,9 @@ def swiglu_backward_halves_on(plan: LaunchPlan, launcher, device: torch.device, 
     dx12 = gate.new_empty(M, 2 * H)
     h = gate.new_empty(M, H)
     dx = dx12.data_ptr()
-    plan.launch_rows(launcher, device, M, H, (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx,
-                                              dx + H * plan.itemsize, h.data_ptr()), (gate_ld, up_ld, dh_ld, 2 * H, 2 * H, H))
+    plan.launch_rows(launcher, device, M, H,
+                     (gate.data_ptr(), up.data_ptr(), dh.data_ptr(), dx, dx + H * plan.itemsize, h.data_ptr()),
+                     (gate_ld, up_ld, dh_ld, 2 * H, 2 * H, H))
     return dx12, h
 
 

@@ -6,19 +6,22 @@ config) or the torch implementation (``torch_impl``).
 Two ways in, on arguments valid by construction (the public API validated
 them once: the checks are a measurable part of a small call's host time):
 
-- **Decided once per call** (``eager_path``): the dense API asks at its
-  entry and hands the answer, a :class:`KernelPath` or :class:`TorchPath`,
-  down in the Function's options; the forward runs it without asking
-  again, and the backward asks once for itself. Under a tracer or a
-  torch.func transform there is no eager path (None): ``route`` decides
-  per primitive there.
+- **Decided once per call** (``lasting_path``, ``eager_path``): the dense
+  API decides each call once (and keeps lasting decisions with the call's
+  settings) and hands the answer, a :class:`KernelPath` or
+  :class:`TorchPath`, down in the Function's options; the forward runs it
+  without asking again, and the backward asks once for itself
+  (``eager_path``). Under a tracer or a torch.func transform there is no
+  eager path (None): ``route`` decides per primitive there.
 - **Per primitive** (``run_*``): the checked public primitives
   (``primitives/__init__``), the registered ops' eager bodies (``ops``), the
   MoE op and ``route``'s eager branch; ``implementation=`` and ``launcher=``
-  force a choice.
+  force a choice. They run the decided path too.
 
-Both look the decision up in one cache (``_PATHS``), keyed by identity, so
+All look the decision up in one cache (``_PATHS``), keyed by identity, so
 a repeated call costs a dict lookup; ``first_use_check.reset`` empties it.
+A :class:`KernelPath` holds its launch plans and device, so its launches
+look nothing up.
 """
 from __future__ import annotations
 
@@ -36,9 +39,9 @@ from . import cuda_impl as kernels
 from . import first_use_check, saved_x12, torch_impl
 from .first_use_check import kernels_usable
 
-__all__ = ["eager_path", "lasting_path", "path_for", "KernelPath", "TorchPath", "run_swiglu_forward", "run_swiglu_backward",
-           "run_silu_mul_forward", "run_silu_mul_backward", "run_swiglu_forward_fp8", "run_swiglu_backward_fp8",
-           "h_over_gate", "gate_half", "batch_first"]
+__all__ = ["eager_path", "lasting_path", "path_for", "KernelPath", "TorchPath", "run_swiglu_forward",
+           "run_swiglu_backward", "run_silu_mul_forward", "run_silu_mul_backward", "run_swiglu_forward_fp8",
+           "run_swiglu_backward_fp8", "h_over_gate", "gate_half", "batch_first"]
 
 
 def _or_new(out: torch.Tensor | None, shape: tuple, like: torch.Tensor) -> torch.Tensor:

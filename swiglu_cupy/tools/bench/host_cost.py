@@ -18,7 +18,7 @@ time on a shared machine), on one intra-op thread with denormals flushed
 (the do-nothing launcher leaves its outputs uninitialized, and denormal
 garbage would slow the GEMMs after it). Printed per entry point: the median
 microseconds per call, the ratio of the medians to its reference in the same
-route and rounds, the package's Python frames per call
+route and rounds and that of the fastest blocks, the package's Python frames per call
 (``tools.host_cost.package_frames``, deterministic) and on the CUDA route the
 kernel launches per call. An entry point whose package is missing is reported
 unavailable with the reason. Writes ``host_cost.json`` and ``host_cost.txt``
@@ -37,7 +37,7 @@ from .. import host_cost as harness
 from .config import (DTYPES, HOST_COST_CALLS, HOST_COST_QUICK_CALLS, HOST_COST_QUICK_ROUNDS, HOST_COST_QUICK_WARMUP,
                      HOST_COST_ROUNDS, HOST_COST_SHAPES, HOST_COST_WARMUP)
 from .environment import environment
-from .measure import Clock, interleaved, median_ratio, short_error
+from .measure import Clock, fastest_ratio, interleaved, median_ratio, short_error
 from .report import write_report
 
 __all__ = ["run", "bench_host_cost", "format_host_cost", "ROUTES", "ENTRIES"]
@@ -73,8 +73,9 @@ def bench_case(built: dict, mode: str, route: str, x: torch.Tensor, dy: torch.Te
                rounds: int, calls: int, warmup: int) -> dict:
     """One (mode, route): every built entry point and reference warmed up,
     its frames and launches counted on one call, then all timed interleaved."""
-    out = {"mode": mode, "route": route, "us_per_call": {}, "ratio_vs_reference": {}, "package_frames": {},
-           "total_frames": {}, "launches_per_call": {}, "null_reasons": {}}
+    out = {"mode": mode, "route": route, "us_per_call": {}, "ratio_vs_reference": {},
+           "fastest_ratio_vs_reference": {}, "package_frames": {}, "total_frames": {}, "launches_per_call": {},
+           "null_reasons": {}}
     fns = {}
     with _route(route) as launcher, harness.MODES[mode]():
         for name, (module, call) in built.items():
@@ -94,7 +95,9 @@ def bench_case(built: dict, mode: str, route: str, x: torch.Tensor, dy: torch.Te
         timings = interleaved(fns, clock, rounds, calls, unit="us", timer=time.thread_time)
     for name in (*ENTRIES, *REFERENCE_NAMES):
         out["us_per_call"][name] = timings.get(name)
-        out["ratio_vs_reference"][name] = median_ratio(timings, name, harness.REFERENCES.get(name, name))
+        reference = harness.REFERENCES.get(name, name)
+        out["ratio_vs_reference"][name] = median_ratio(timings, name, reference)
+        out["fastest_ratio_vs_reference"][name] = fastest_ratio(timings, name, reference)
     return out
 
 
@@ -125,13 +128,17 @@ def _us(s) -> str:
     return "-" if not s else f"{s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f})"
 
 
+def _ratio(ratio) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def _cells(case: dict, name: str) -> str:
     s = case["us_per_call"].get(name)
     if s is None:
-        return f"{'-':>24}  {'-':>6}  {'-':>6}  {'-':>8}"
-    ratio = case["ratio_vs_reference"].get(name)
+        return f"{'-':>24}  {'-':>6}  {'-':>7}  {'-':>6}  {'-':>8}"
     launches = case["launches_per_call"].get(name)
-    return (f"{_us(s):>24}  {'-' if ratio is None else f'{ratio:.2f}x':>6}  "
+    return (f"{_us(s):>24}  {_ratio(case['ratio_vs_reference'].get(name)):>6}  "
+            f"{_ratio(case['fastest_ratio_vs_reference'].get(name)):>7}  "
             f"{case['package_frames'][name]:>6}  {'-' if launches is None else launches:>8}")
 
 
@@ -143,13 +150,14 @@ def format_host_cost(report: dict) -> str:
              f"calls, the calling thread's CPU time; {report['warmup']} warm-up calls",
              *(f"{route}: {what}" for route, what in report["routes"].items()),
              "ratio: / the reference's median in the same route and rounds (" +
-             ", ".join(f"{n} -> {r}" for n, r in report["references"].items()) + ")",
+             ", ".join(f"{n} -> {r}" for n, r in report["references"].items()) + "); fastest: the fastest "
+             "blocks' ratio (load only adds time: steadier on a busy machine)",
              "frames: swiglu_cupy's Python frames per call; launches: kernel launches per call (cuda route)"]
     for name, reason in report["unavailable"].items():
         lines.append(f"{name}: {reason}")
     names = [*report["entries"], *dict.fromkeys(report["references"].values())]
     width = max(len(n) for n in names)
-    head = f"{'us/call':>24}  {'ratio':>6}  {'frames':>6}  {'launches':>8}"
+    head = f"{'us/call':>24}  {'ratio':>6}  {'fastest':>7}  {'frames':>6}  {'launches':>8}"
     cases = report["cases"]
     for shape_name in dict.fromkeys(c["shape"]["name"] for c in cases):
         shape_cases = [c for c in cases if c["shape"]["name"] == shape_name]

@@ -62,6 +62,15 @@ def median_ratio(timings: dict, name: str, reference: str) -> float | None:
     return timings[name]["median"] / timings[reference]["median"]
 
 
+def fastest_ratio(timings: dict, name: str, reference: str) -> float | None:
+    """min(name) / min(reference): the ratio of the fastest blocks, steadier
+    than the medians' on a busy machine (load only ever adds time); None when
+    either was not measured."""
+    if timings.get(name) is None or timings.get(reference) is None:
+        return None
+    return timings[name]["min"] / timings[reference]["min"]
+
+
 class Clock:
     """Times ``timed(prepare())`` per repeat: CUDA events on a GPU, perf_counter on CPU."""
 
