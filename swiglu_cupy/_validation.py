@@ -13,7 +13,6 @@ import sys
 import torch
 
 from ._dtypes import FP8_SAVED_X12_DTYPES, SUPPORTED_DTYPES
-from ._torch_compat import is_functorch_wrapped
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
@@ -183,12 +182,11 @@ def check_down_shapes(w3, b3, H: int) -> None:
 def common_case(x, w1, b1, w2, b2, w3, b3, packed: bool) -> bool:
     """Whether a feed-forward call is the common one, in one pass (one frame
     on the hot path): plain dense tensors of one supported dtype and one
-    device (not meta), contiguous weights, none left wrapped by a torch.func
-    transform, and shapes that fit (``packed``: ``w1``/``b1`` are w12 and b12,
-    and ``w2``/``b2`` must be None; the shapes of ``check_packed_shapes`` or
-    ``check_unpacked_shapes``). True: every check holds (and the Function may
-    be applied without torch's unwrapping: ``apply_unwrapped``); False sends
-    the call through the full checks, for the precise error.
+    device (not meta), contiguous weights, and shapes that fit (``packed``:
+    ``w1``/``b1`` are w12 and b12, and ``w2``/``b2`` must be None; the shapes
+    of ``check_packed_shapes`` or ``check_unpacked_shapes``). True: every
+    check holds; False sends the call through the full checks, for the
+    precise error. torch.compile traces it: only what Dynamo can trace here.
 
     A device is compared as (``is_cuda``, ``get_device()``, ``is_meta``), a
     bool and an int each, not as a ``torch.device``: building those objects
@@ -202,13 +200,11 @@ def common_case(x, w1, b1, w2, b2, w3, b3, packed: bool) -> bool:
     if dtype not in SUPPORTED_DTYPES:
         return False
     try:  # non-strided layouts report non-contiguous (or raise); a rank other than 2 fails to unpack
-        # A transform wraps into plain torch.Tensor objects, never Parameters: only those are asked.
         if w1 is None or w3 is None or (w2 is None) is not packed or (packed and b2 is not None):
             return False
         for t in (w1, w3, w2, b1, b2, b3):
             if t is not None and (type(t) not in _PLAIN_TENSORS or t.dtype is not dtype or t.is_cuda is not cuda
-                                  or t.get_device() != index or t.is_meta or not t.is_contiguous()
-                                  or (t.__class__ is torch.Tensor and is_functorch_wrapped(t))):
+                                  or t.get_device() != index or t.is_meta or not t.is_contiguous()):
                 return False
         rows, D = w1.shape
         O, H = w3.shape

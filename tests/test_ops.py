@@ -54,3 +54,31 @@ def test_torch_compile_memory_modes():
     x.grad = None
     _model()(x).sum().backward()
     torch.testing.assert_close(g, x.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed", "unpacked"])
+def test_torch_compile_of_the_functions_with_plain_tensor_weights(layout):
+    """Plain tensors (not Parameters: a functional call, TP's to_local shards)
+    take the API's common case inside the trace too: fullgraph, and the
+    forward and every gradient match eager."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, requires_grad=True)
+    w12, b12 = (torch.randn(48, 16) / 4).requires_grad_(), torch.randn(48).requires_grad_()
+    w3 = (torch.randn(16, 24) / 5).requires_grad_()
+    weights = (x, w12, b12, w3)
+
+    def call(x, w12, b12, w3):
+        if layout == "packed":
+            return sc.swiglu(x, w12, b12, w3, None)
+        w1, w2 = w12.chunk(2)
+        b1, b2 = b12.chunk(2)
+        return sc.swiglu_unpacked(x, w1.contiguous(), b1, w2.contiguous(), b2, w3, None)
+
+    eager = call(*weights)
+    eager_grads = torch.autograd.grad(eager.pow(2).sum(), weights)
+    compiled = torch.compile(call, fullgraph=True)(*weights)
+    grads = torch.autograd.grad(compiled.pow(2).sum(), weights)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    for g, ref in zip(grads, eager_grads):
+        assert g.abs().sum() > 0
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,6 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import swiglu_cupy as sc
-from swiglu_cupy import _validation as check
 from swiglu_cupy import primitives
 from swiglu_cupy.primitives import ops
 from conftest import assert_nontrivial, onnx_run_with_standard_ops
@@ -344,35 +343,39 @@ def test_func_and_export_of_swiglu_unpacked():
     torch.testing.assert_close(ep.module()(x), reference(x, w1, w2), **TOL)
 
 
-def test_a_weight_left_over_from_a_transform_still_gets_its_gradient():
-    """x is plain, so the call is eager; a weight that escaped a finished
-    transform leaves the API's common case (whose calls skip the unwrapping)
-    and goes through torch's apply (the lean apply sees it), which unwraps
-    it: the gradient reaches the original weight (the C++ apply alone loses
-    it)."""
-    leaked = []
+@pytest.mark.parametrize("leaked_name", ["w12", "b12"])
+def test_a_weight_left_over_from_a_transform_still_gets_its_gradient(leaked_name, monkeypatch):
+    """x is plain, so the call is eager; a weight (or bias) that escaped a
+    finished transform is seen by the API (where Dynamo never looks) and
+    goes through torch's apply, not the bare C++ apply of the common case,
+    so it is unwrapped: the gradient reaches the original tensor (the C++
+    apply alone loses it)."""
+    from swiglu_cupy import SwiGLUFunction
+
     torch.manual_seed(0)
-    w12 = torch.randn(2 * H, D, dtype=torch.float64, requires_grad=True)
+    params = {"w12": torch.randn(2 * H, D, dtype=torch.float64), "b12": torch.randn(2 * H, dtype=torch.float64)}
     w3 = torch.randn(D, H, dtype=torch.float64)
-    torch.func.vjp(lambda t: leaked.append(t) or t * 1, w12)
+    original = params[leaked_name].requires_grad_()
+    leaked = []
+    torch.func.vjp(lambda t: leaked.append(t) or t * 1, original)
     (dead,) = leaked
     assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    applied = []
+    bare = SwiGLUFunction.apply_unwrapped
+    monkeypatch.setattr(SwiGLUFunction, "apply_unwrapped", lambda *a: applied.append("bare") or bare(*a))
     x = _x(3)
-    assert check.common_case(x, w12.detach(), None, None, None, w3, None, True)
-    assert not check.common_case(x, dead, None, None, None, w3, None, True)
-    torch.func.vjp(lambda t: leaked.append(t) or t * 1, torch.zeros(H, dtype=torch.float64, requires_grad=True))
-    dead_bias, halves = leaked[1], w12.detach().chunk(2)
-    assert torch._C._functorch.is_functorch_wrapped_tensor(dead_bias)
-    assert check.common_case(x, halves[0], None, halves[1], None, w3, None, False)
-    assert not check.common_case(x, halves[0], None, halves[1], dead_bias, w3, None, False)  # a bias too
-    y = sc.swiglu(x, dead, None, w3, None)
+    sc.swiglu(x, params["w12"].detach(), params["b12"], w3, None)
+    assert applied == ["bare"]  # the common case: the C++ apply itself
+    args = {**params, leaked_name: dead}
+    y = sc.swiglu(x, args["w12"], args["b12"], w3, None)
+    assert applied == ["bare"]  # not for the leaked tensor
     y.pow(2).sum().backward()
-    got, w12.grad = w12.grad, None
-    y_ref = sc.swiglu_reference(x, w12, None, w3, None)
+    got, original.grad = original.grad, None
+    y_ref = sc.swiglu_reference(x, params["w12"], params["b12"], w3, None)
     y_ref.pow(2).sum().backward()
     torch.testing.assert_close(y, y_ref, **TOL)
     assert_nontrivial(got, "grad through the dead wrapper")
-    torch.testing.assert_close(got, w12.grad, **TOL)
+    torch.testing.assert_close(got, original.grad, **TOL)
 
 
 def test_a_tensor_left_over_from_a_transform_still_works():

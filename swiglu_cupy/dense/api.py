@@ -52,9 +52,9 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
     self-check verdict included), bound into the call's
     :class:`SwiGLUOptions`; under a tracer or a torch.func transform there is
     no path (decided per primitive there); inside torch.jit.trace it raises.
-    ``common``: the arguments passed ``check.common_case`` (no tensor left
-    wrapped by a transform), so an eager call applies the Function without
-    torch's unwrapping. Under autocast every input is first cast to the
+    ``common``: the arguments passed ``check.common_case``; such an eager
+    call with no tensor left wrapped by a transform (asked here, where Dynamo
+    never traces) applies the Function without torch's unwrapping. Under autocast every input is first cast to the
     autocast dtype, like nn.Linear, and the Function runs with autocast off
     (it picks its own precision), decided for the cast dtype."""
     x = args[0]
@@ -84,6 +84,11 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
         options = entry[3] if entry is not None else _decide_eager(
             x, key, (activation, launcher, config), recompute_gate_up, inplace_backward, saved_x12,
             tile_grads_fp32, halves_only)
+        if common:  # a tensor left over from a transform needs torch's apply, which unwraps it
+            for t in args:  # transforms wrap into plain torch.Tensor objects, never Parameters
+                if t.__class__ is torch.Tensor and is_functorch_wrapped(t):
+                    common = False
+                    break
     if options is None:  # traced or transformed: no path
         options = _checked_options(activation, recompute_gate_up, inplace_backward, saved_x12, tile_grads_fp32,
                                    halves_only)
@@ -97,8 +102,7 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
             check.check_fp8_compute_dtype(x.dtype)
         if path is None:  # x12 comes back as a second output there (see SwiGLUFunction)
             return SwiGLUFunction.apply(*args, options, not torch.is_grad_enabled(), tile)[0]
-        # An eager path: no transform is active and x is not wrapped (checked above), nor, in the
-        # common case, any other tensor.
+        # An eager path: no transform is active and, in the common case, no tensor is wrapped (above).
         return (SwiGLUFunction.apply_unwrapped if common else SwiGLUFunction.apply)(*args, options, False, tile)
     # No grad: no graph can be recorded, so the Function (whose only job is
     # the graph) is skipped; the same forward pass runs, in inference mode.
