@@ -34,9 +34,9 @@ class LeanApplyFunction(torch.autograd.Function):
         # torch's C++ apply bound to the class once (None: unavailable): a C call per apply.
         cls._bound_cpp_apply = None if cpp_apply is None else cpp_apply.__get__(None, cls)
         #: ``apply_unwrapped(*args)``: ``apply`` for a caller that knows no torch.func transform
-        #: is active and no argument is a tensor from one (the dense API's common case, which
-        #: checked each tensor once): torch's C++ apply itself, without the per-argument loop
-        #: (~3 us of a decode-sized call) or a Python frame. The same graph.
+        #: is active and no argument is a tensor from one (the dense API's eager common case,
+        #: which asked): torch's C++ apply itself, without ``apply``'s per-argument loop and
+        #: Python frame (~3 us of a decode-sized call). The same graph.
         cls.apply_unwrapped = cls.apply if cls._bound_cpp_apply is None else cls._bound_cpp_apply
 
     @classmethod
@@ -53,6 +53,7 @@ class LeanApplyFunction(torch.autograd.Function):
             else:
                 return cls._bound_cpp_apply(*args)
         return super().apply(*args)
+
 
 def graph_needed(*tensors) -> bool:
     """Whether the Function must be applied: grad mode (a graph may be
