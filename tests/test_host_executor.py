@@ -443,3 +443,20 @@ def test_the_kernels_run_the_same_as_fibers():
                         *cuda_impl.launch_swiglu_backward(x12, dh, None, launcher=launcher)])
     for as_fibers, sequentially in zip(*outputs):
         assert torch.equal(as_fibers, sequentially)
+
+
+def test_kernel_arguments_are_packed_as_a_gpu_launch_passes_them():
+    """ints (pointers) as CuPy's 8 bytes, numpy scalars at their width; a
+    bool or a float, which CuPy would pass at another width, is refused."""
+    import ctypes
+
+    for value in (0, 4096, 0x7F00_0000_1000, 2**63):
+        held = host_exec._kernel_argument(value)
+        assert ctypes.sizeof(held) == 8 and bytes(held) == np.uint64(value).tobytes()
+    assert bytes(host_exec._kernel_argument(-2)) == np.int64(-2).tobytes()
+    assert bytes(host_exec._kernel_argument(np.float32(1.5))) == np.float32(1.5).tobytes()
+    for bad in (True, 1.5):
+        with pytest.raises(TypeError, match="kernel arguments must be ints"):
+            host_exec._kernel_argument(bad)
+    with pytest.raises(OverflowError):
+        host_exec._kernel_argument(2**64)

@@ -411,9 +411,31 @@ def test_row_launches_cache_shape_arguments_and_still_check_each_pointer():
     assert names == [plan.names[1], plan.names[0], plan.names[1], plan.names[0]]
     assert len(plan.rows) == 2
     first, misaligned = recorder.launches[0], recorder.launches[1]
-    assert [type(a) for a in first[3][:5]] == [np.uint64] * 3 + [np.int64] * 2
+    assert [type(a) for a in first[3][:5]] == [int] * 3 + [np.int64] * 2  # pointers as given (see below)
     assert [int(a) for a in first[3][:8]] == [4096, 65536, 131072, 3, 64, 128, 128, 64]
     sms = cuda_impl.sm_count(cpu) if plan.capped else 0
     assert int(misaligned[3][0]) == 4100 and misaligned[1:3] == cuda_impl.launch_shape(3, 64, 1, plan.config, sms)
     assert first[1:3] == cuda_impl.launch_shape(3, 64, plan.vec, plan.config, sms)
     assert first[3][8:] == plan.scalar_args
+
+
+def test_pointers_travel_as_ints_which_cupy_passes_as_their_eight_bytes():
+    """A data pointer is a kernel argument as a Python int (no numpy scalar
+    made per launch). CuPy's own rule (``numpy_dtype_from_pyscalar``, what its
+    launch packs an int as) gives 8 bytes, the pointer's bits, which is what
+    ``kernel_argument_bytes`` (the host launcher's and the machine-code
+    model's packing) says; a value that fits no 8 bytes or is no int raises."""
+    import numpy as np
+
+    cupy_scalar = pytest.importorskip("cupy._core._scalar")
+    t = torch.empty(3)
+    assert _launch.pointer(t).__class__ is int and _launch.pointer(t) == t.data_ptr()
+    for value in (0, 16, 4100, 0x7F12_3456_7890, 2**63 - 1, 2**63, 2**64 - 1, -5):
+        dtype, _ = cupy_scalar.numpy_dtype_from_pyscalar(value)
+        assert dtype.itemsize == 8
+        assert np.array(value, dtype=dtype).tobytes() == _launch.kernel_argument_bytes(value)
+        assert _launch.kernel_argument_bytes(value) == np.array(value % 2**64, dtype=np.uint64).tobytes()
+    for value, error in ((2**64, OverflowError), (-(2**63) - 1, OverflowError), (True, TypeError),
+                         (np.uint64(3), TypeError), (3.0, TypeError)):
+        with pytest.raises(error):
+            _launch.kernel_argument_bytes(value)

@@ -61,6 +61,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .launch import kernel_argument_bytes
 from .launch_config import is_probing
 from .cuda_headers import cuda_include_dirs, missing_header_hint
 from .sources import (VARIANTS, compile_options, kernel_files_source, kernel_names, variant_entries,
@@ -741,7 +742,7 @@ class HostLibrary:
     def launch(self, kernel: str, grid: Sequence[int], block: Sequence[int], args: Sequence[object],
                shared_mem: int = 0) -> None:
         """Run ``kernel`` over ``grid`` x ``block`` with ``args`` (numpy-typed
-        scalars, CPU tensors or numpy arrays, passed by address like
+        scalars, ints (pointers: CuPy's 8 bytes), CPU tensors or numpy arrays, passed by address like
         cuLaunchKernel's kernelParams) and ``shared_mem`` bytes of dynamic
         shared memory. A deadlock or a misused primitive raises RuntimeError."""
         fn = self._entry(kernel)
@@ -770,6 +771,8 @@ def _dims(what: str, dims: Sequence[int]) -> tuple[int, int, int]:
 
 
 def _kernel_argument(a: object):
+    if a.__class__ is int:  # a pointer: the 8 bytes CuPy passes for an int
+        return ctypes.c_uint64(int.from_bytes(kernel_argument_bytes(a), "little"))
     if isinstance(a, np.uint64):
         return ctypes.c_uint64(int(a))
     if isinstance(a, np.int64):
@@ -788,7 +791,7 @@ def _kernel_argument(a: object):
         return ctypes.c_uint64(a.data_ptr())
     if isinstance(a, np.ndarray):
         return ctypes.c_uint64(a.ctypes.data)
-    raise TypeError(f"kernel arguments must be numpy-typed scalars, tensors or arrays, got {type(a).__name__}")
+    raise TypeError(f"kernel arguments must be ints, numpy-typed scalars, tensors or arrays, got {type(a).__name__}")
 
 
 def build_host_library(source: str, kernels: Sequence[str], *, options: Sequence[str] = (),
@@ -860,9 +863,9 @@ class HostLauncher:
         if torch.device(device).type != "cpu":
             raise ValueError(f"HostLauncher runs CPU tensors only, got device {device}")
         variant_of_kernel(name)  # a clear ValueError for an unknown name
-        for a in args:
-            if not isinstance(a, (np.uint64, np.int64, np.float32, np.float64)):
-                raise TypeError(f"kernel arguments must be numpy-typed scalars, got {type(a).__name__}")
+        for a in args:  # what a GPU launch passes: ints (pointers) and numpy-typed scalars
+            if a.__class__ is not int and not isinstance(a, (np.uint64, np.int64, np.float32, np.float64)):
+                raise TypeError(f"kernel arguments must be ints or numpy-typed scalars, got {type(a).__name__}")
         lib = self._library(dtype)
         (self.probe_launches if is_probing() else self.launches).append((name, tuple(grid), tuple(block)))
         lib.launch(name, grid, block, args, shared_mem=shared_mem)

@@ -36,7 +36,7 @@ from ..activations import SILU, GLUActivation
 from ..kernels.launch_config import LaunchConfig, current_launch_config
 from . import saved_x12
 
-_U64, _I64 = np.uint64, np.int64  # the kernels' pointer and integer argument types (read as globals per launch)
+_I64 = np.int64  # the kernels' integer argument type (pointers are ints: ``launch.pointer``)
 MAX_BLOCK_X = 128   # threads across a row; the rest of the block covers rows
 MAX_GRID_Y = 65535  # CUDA's limit; rows beyond it are covered by the grid-stride loop
 HOST_SM_COUNT = 1   # stand-in for launchers without a GPU, so capped grids stay small
@@ -108,7 +108,8 @@ class LaunchPlan:
 
     def launch_rows(self, launcher, device: torch.device, M: int, H: int, pointers: tuple, strides: tuple) -> None:
         """A row kernel over [M, H] on ``device``: arguments ``pointers...,
-        M, H, strides...`` (element row strides; pointer 0 with stride 0 for
+        M, H, strides...`` (pointers: ints, passed as they are, see
+        ``launch.pointer``; element row strides; pointer 0 with stride 0 for
         an absent output). The 16-byte instance runs when H, every pointer
         and (past one row, which never steps) every row stride allow it."""
         if M == 0 or H == 0:
@@ -124,7 +125,7 @@ class LaunchPlan:
                     chosen = entry[1]
                     break
         name, grid, block = chosen
-        (launcher or cupy_launcher()).launch(name, self.dtype, device, grid, block, (*map(_U64, pointers), *tail))
+        (launcher or cupy_launcher()).launch(name, self.dtype, device, grid, block, (*pointers, *tail))
 
     def _row_entry(self, M: int, H: int, strides: tuple, device: torch.device) -> tuple:
         vec = self.vec

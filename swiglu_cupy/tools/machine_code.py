@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import functools
 import os
-import struct
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -58,6 +57,7 @@ import numpy as np
 import torch
 
 from ..kernels import sass
+from ..kernels.launch import kernel_argument_bytes
 from ..kernels.sass_walk import Thread, Trace, WalkError, constant_bank, walk
 from ..kernels.sources import (DEFAULT_VARIANT, FP8_KERNEL_KINDS, KERNEL_KINDS, PAIRED_MATH_KINDS, KernelVariant,
                                fp8_lane_columns, kernel_name, vector_width)
@@ -160,7 +160,7 @@ class KernelLaunch:
     """A concrete launch of one kernel and what one thread of it covers."""
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    args: tuple            # numpy scalars, as passed to the kernel
+    args: tuple            # ints (pointers) and numpy scalars, as passed to the kernel
     elements_per_thread: int
     bytes_per_element: float
     thread: tuple[int, int, int] = (5, 0, 0)   # threadIdx of the walked thread
@@ -240,7 +240,7 @@ def pack_params(args, layout: sass.ParamLayout | None = None) -> bytes:
     out = bytearray()
     offsets = []
     for a in args:
-        raw = np.asarray(a).tobytes() if isinstance(a, np.generic) else struct.pack("<q", int(a))
+        raw = np.asarray(a).tobytes() if isinstance(a, np.generic) else kernel_argument_bytes(a)
         out += bytes(-len(out) % len(raw))
         offsets.append((len(out), len(raw)))
         out += raw
