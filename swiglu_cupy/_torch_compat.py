@@ -131,9 +131,14 @@ def dispatch_mode_base():
 # projections' own modules, so it must step aside while any is registered.
 # If they go: the fused path would run even with global hooks registered,
 # and those hooks would miss the projection calls.
+#: The four registries themselves (torch fills and empties them in place):
+#: ``any(GLOBAL_MODULE_HOOKS)`` asks without a Python frame.
+GLOBAL_MODULE_HOOKS = (_nn_module._global_forward_pre_hooks, _nn_module._global_forward_hooks,
+                       _nn_module._global_backward_pre_hooks, _nn_module._global_backward_hooks)
+
+
 def global_module_hooks_active() -> bool:
-    return bool(_nn_module._global_forward_pre_hooks or _nn_module._global_forward_hooks
-                or _nn_module._global_backward_pre_hooks or _nn_module._global_backward_hooks)
+    return any(GLOBAL_MODULE_HOOKS)
 
 
 # ---- torch's clamp gradient at the bounds ---------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import sys
 
 import pytest
 import torch
@@ -41,6 +42,13 @@ class DropoutBeforeDown(GatedMLP):
         self.down_proj = nn.Linear(h, d, bias=False)
 
 
+@pytest.fixture(autouse=True)
+def usual_state(monkeypatch):
+    """Without DeepSpeed loaded, the usual state is compared in place: the
+    path these tests must reach (an earlier test file may have loaded it)."""
+    monkeypatch.delitem(sys.modules, "deepspeed", raising=False)
+
+
 def patched(p=0.0, cls=GatedMLP):
     torch.manual_seed(0)
     reference = cls(p=p).double()
@@ -69,6 +77,28 @@ def test_decided_once_and_kept(monkeypatch):
     for _ in range(3):
         mlp(x)
     assert decisions == [] and mlp.fusion() == "mlp"
+
+
+def test_the_usual_state_is_compared_in_place_and_anything_else_builds_it(monkeypatch):
+    """No hook anywhere and no DeepSpeed: each call compares the kept tuples
+    (no state list is built); a hooked projection or DeepSpeed loaded builds
+    the whole state at each call, which still sees the hook go."""
+    _, mlp = patched()
+    x = torch.randn(3, 16, dtype=torch.float64)
+    mlp(x)
+    built = []
+    real = plan_runner._fusion_state
+    monkeypatch.setattr(plan_runner, "_fusion_state", lambda *a: built.append(1) or real(*a))
+    mlp(x), mlp(x)
+    assert built == [] and mlp.fusion() == "mlp"
+    handle = mlp.gate_proj.register_forward_pre_hook(lambda m, i: None)
+    assert mlp.fusion() == "activation" and mlp.fusion() == "activation" and len(built) == 2
+    handle.remove()
+    assert mlp.fusion() == "mlp" and len(built) == 3
+    assert mlp.fusion() == "mlp" and len(built) == 3  # the usual state again: in place
+    monkeypatch.setitem(sys.modules, "deepspeed", object())  # loaded: ZeRO-3's hooks may come and go
+    monkeypatch.setattr(plan_runner, "_zero3", lambda: None)
+    assert mlp.fusion() == "mlp" and len(built) == 4
 
 
 @pytest.mark.parametrize("change", ["forward_hook", "pre_hook", "backward_hook", "instance_forward",

@@ -10,7 +10,7 @@ import sys
 import torch
 from torch import nn
 
-from .._torch_compat import DROPOUT_CLASSES, global_module_hooks_active
+from .._torch_compat import DROPOUT_CLASSES, GLOBAL_MODULE_HOOKS, global_module_hooks_active
 from ..dense.api import glu_mul, swiglu, swiglu_unpacked
 from ..dense.module import linear_params
 from ..reference import glu_reference
@@ -108,24 +108,56 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     any change to that state decides again.
 
     The state is everything the fusion depends on, cheap to read at each
-    call (built here, a frame less per call): the plan, torch's global module
-    hooks, each projection's identity, class, whether it has a forward of its
-    own, and its hooks, and each module between the product and ``down``
-    with its mode and rate. Without DeepSpeed loaded any hook is an obstacle,
-    whichever it is, so only their presence counts; with it, whether the
-    module is a ZeRO-3 leaf and which hooks each projection has (handle ids
-    are never reused), since ZeRO-3's own hooks are none."""
+    call: the plan, torch's global module hooks, each projection's identity,
+    class, whether it has a forward of its own, and its hooks, and each
+    module between the product and ``down`` with its mode and rate. Without
+    DeepSpeed loaded any hook is an obstacle, whichever it is, so only their
+    presence counts; with it, whether the module is a ZeRO-3 leaf and which
+    hooks each projection has (handle ids are never reused), since ZeRO-3's
+    own hooks are none. The usual state (no DeepSpeed, no hook anywhere) is
+    kept also as tuples compared in place at each call (no state is built
+    per call there: ~1.4 us of a decode-sized patched call)."""
     if plan is None or (plan.dropout_unproven and unproven_dropout_active(module, plan)):
         return None
     mods = module._modules
-    ds = _zero3() if "deepspeed" in sys.modules else None  # the check inline: no call per forward without it
+    kept = module.__dict__.get(_FUSION_ATTR)
+    usual = None if kept is None else kept[2]
+    if (usual is not None and usual[0] is plan and "deepspeed" not in sys.modules
+            and not any(GLOBAL_MODULE_HOOKS)):
+        for name, ident, cls, own_forward in usual[1]:
+            m = mods.get(name)
+            attrs = m.__dict__  # every nn.Module has its four hook dicts there (an attribute lookup costs more)
+            if (id(m) != ident or m.__class__ is not cls or ("forward" in attrs) is not own_forward
+                    or attrs["_forward_pre_hooks"] or attrs["_forward_hooks"] or attrs["_backward_pre_hooks"]
+                    or attrs["_backward_hooks"]):
+                break
+        else:
+            for name, ident, cls, training, rate in usual[2]:
+                m = mods.get(name)
+                if (id(m) != ident or m.__class__ is not cls or getattr(m, "training", None) != training
+                        or getattr(m, "p", None) != rate):
+                    break
+            else:
+                return kept[1]
+    state = _fusion_state(module, plan, mods)
+    if kept is not None and kept[0] == state:
+        return kept[1]
+    fusion = _decide_fusion(module, plan)
+    module.__dict__[_FUSION_ATTR] = (state, fusion, _usual_state(state, plan))
+    return fusion
+
+
+def _fusion_state(module: nn.Module, plan: GLUPlan, mods) -> list:
+    """The state a fusion is decided on (``fusion_of``), as one list: the plan,
+    whether global hooks are registered, whether the module is a ZeRO-3 leaf,
+    then (id, class, own forward, hooks) per projection and (id, class,
+    training, rate) per module between the product and ``down``."""
+    ds = _zero3() if "deepspeed" in sys.modules else None
     # The plan itself (compared by identity first), not its id: a new plan may reuse a freed id.
-    # A list, extended in place (each tuple concatenation copies the tuple so far).
-    state = [plan, global_module_hooks_active(), ds is not None and ds.zero3_leaf(module)]
+    state = [plan, any(GLOBAL_MODULE_HOOKS), ds is not None and ds.zero3_leaf(module)]
     for name in plan.projections:
         # A reused id (a child replaced by another) shows the class, forward and hooks the
-        # decision reads, which is all it reads. Read from the instance dict: every nn.Module
-        # has its four hook dicts there, and an attribute lookup each costs more per call.
+        # decision reads, which is all it reads.
         m = mods.get(name)
         attrs = m.__dict__
         pre, post, bpre, bpost = (attrs["_forward_pre_hooks"], attrs["_forward_hooks"],
@@ -137,12 +169,23 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     for name in plan.mid:
         m = mods.get(name)
         state += (id(m), m.__class__, getattr(m, "training", None), getattr(m, "p", None))
-    kept = module.__dict__.get(_FUSION_ATTR)
-    if kept is not None and kept[0] == state:
-        return kept[1]
-    fusion = _decide_fusion(module, plan)
-    module.__dict__[_FUSION_ATTR] = (state, fusion)
-    return fusion
+    return state
+
+
+def _usual_state(state: list, plan: GLUPlan) -> tuple | None:
+    """``state`` as ``fusion_of`` compares it in place: (plan, (name, id,
+    class, own forward) per projection, (name, id, class, training, rate) per
+    module between); None unless it is the usual one (no DeepSpeed, no global
+    hook, no projection hooked)."""
+    if state[1] or "deepspeed" in sys.modules:
+        return None
+    n = len(plan.projections)
+    projections = [state[3 + 4 * i:7 + 4 * i] for i in range(n)]  # id, class, own forward, hooks
+    mids = [state[3 + 4 * n + 4 * i:7 + 4 * n + 4 * i] for i in range(len(plan.mid))]  # id, class, training, rate
+    if any(hooks for *_, hooks in projections):
+        return None
+    return (plan, tuple((name, *each[:3]) for name, each in zip(plan.projections, projections)),
+            tuple((name, *each) for name, each in zip(plan.mid, mids)))
 
 
 def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
@@ -156,7 +199,7 @@ def unproven_dropout_active(module: nn.Module, plan: GLUPlan) -> bool:
     return False
 
 
-_FUSION_ATTR = "_swiglu_fusion"  # (state, fusion) of the last decision (picklable values only)
+_FUSION_ATTR = "_swiglu_fusion"  # (state, fusion, usual state) of the last decision (picklable values only)
 
 
 def _decide_fusion(module: nn.Module, plan: GLUPlan) -> str:
