@@ -40,6 +40,32 @@ functorch_transforms_active = _private(torch._C, "_are_functorch_transforms_acti
 # function, a frame slower.
 jit_tracing = _private(torch._C, "_is_tracing", torch.jit.is_tracing, "each fused call is a little slower")
 
+# ``torch.compiler.is_compiling()`` is ``not torch.jit.is_scripting() and
+# _is_compiling_flag`` (2.11 to 2.14): two Python frames per call. The hot
+# calls ask ``is_dynamo_compiling() or compiler_state._is_compiling_flag``,
+# the same answer in one frame: Dynamo folds is_dynamo_compiling to True (so
+# it never reads the flag, on which it would guard), and non-strict export and
+# AOT tracing set the flag. Checked at import by the names is_compiling's code
+# reads; if it ever reads more: ``compiler_state`` is a stand-in whose flag
+# asks is_compiling itself (a frame more, the same answer).
+def _is_compiling_is_its_flag() -> bool:
+    code = getattr(getattr(torch.compiler, "is_compiling", None), "__code__", None)
+    return (code is not None and "_is_compiling_flag" in code.co_names
+            and set(code.co_names) <= {"torch", "jit", "is_scripting", "_is_compiling_flag"}
+            and isinstance(getattr(torch.compiler, "_is_compiling_flag", None), bool))
+
+
+class _AskIsCompiling:
+    """``compiler_state`` where is_compiling is more than its flag."""
+
+    @property
+    def _is_compiling_flag(self) -> bool:
+        return torch.compiler.is_compiling()
+
+
+compiler_state = torch.compiler if _is_compiling_is_its_flag() else _AskIsCompiling()
+is_dynamo_compiling = getattr(torch.compiler, "is_dynamo_compiling", lambda: False)
+
 # ``ctx.save_for_backward(*tensors)`` is a Python method whose whole body is
 # ``self.to_save = tensors`` (2.11 to 2.14): the hot ``setup_context`` sets
 # that attribute itself where this holds, a Python frame less per call. If

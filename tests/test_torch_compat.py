@@ -221,3 +221,32 @@ def test_setting_to_save_is_save_for_backward():
         w.mul_(2)  # a saved tensor modified in place: torch's version check still runs
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+def test_compiling_in_one_frame_answers_is_compiling():
+    """``is_dynamo_compiling() or compiler_state._is_compiling_flag`` is
+    ``torch.compiler.is_compiling()``: False eagerly, True under Dynamo
+    (folded; the flag, which it would guard on, never read) and in a
+    non-strict export's trace (the flag). The stand-in asks is_compiling."""
+    assert compat.compiler_state is torch.compiler, "torch.compiler.is_compiling reads more than its flag now"
+    seen = []
+
+    def compiling(state):
+        return compat.is_dynamo_compiling() or state._is_compiling_flag
+
+    for state in (compat.compiler_state, compat._AskIsCompiling()):
+        assert compiling(state) is False is torch.compiler.is_compiling()
+        traced = torch.compile(lambda x, state=state: x + 1 if compiling(state) else x - 1, fullgraph=True,
+                               backend="eager")
+        with torch._dynamo.config.patch(error_on_recompile=True):  # no guard on the flag fails after the trace
+            assert traced(torch.zeros(1)).item() == 1.0
+            assert traced(torch.zeros(1)).item() == 1.0
+
+        class Recording(torch.nn.Module):
+            def forward(self, x, state=state):
+                seen.append((compiling(state), torch.compiler.is_compiling()))
+                return x * 2
+
+        seen.clear()
+        torch.export.export(Recording(), (torch.randn(2),), strict=False)
+        assert seen and all(pair == (True, True) for pair in seen)

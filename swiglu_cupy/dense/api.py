@@ -16,7 +16,8 @@ import torch
 from .. import _torch_compat
 from .. import _validation as check
 from .._autograd import under_autocast
-from .._torch_compat import any_autocast_enabled, functorch_transforms_active, is_functorch_wrapped, jit_tracing
+from .._torch_compat import (any_autocast_enabled, compiler_state, functorch_transforms_active, is_dynamo_compiling,
+                             is_functorch_wrapped, jit_tracing)
 from .._tile_size import resolve_tile_rows
 from .._validation import Role
 from ..activations import GLUActivation, resolve_activation, resolve_halves_activation
@@ -65,9 +66,10 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
     if tile_rows is not None:
         check.check_tile_rows(tile_rows)
     options = None
-    # Dynamo folds is_compiling to True: the eager branches below (the cache, whose contents
-    # it would guard on, and the C-level jit check it cannot trace) are never traced.
-    if torch.compiler.is_compiling():
+    # torch.compiler.is_compiling(), a frame less (``_torch_compat.compiler_state``). Dynamo folds
+    # it to True: the eager branches below (the cache, whose contents it would guard on, and the
+    # C-level jit check it cannot trace) are never traced.
+    if is_dynamo_compiling() or compiler_state._is_compiling_flag:
         pass
     elif jit_tracing():
         check.reject_jit()

@@ -31,7 +31,7 @@ import torch
 
 from .. import _torch_compat
 from .._dtypes import FULL_PRECISION_DTYPES as _FULL_PRECISION
-from .._torch_compat import functorch_transforms_active, is_functorch_wrapped
+from .._torch_compat import compiler_state, functorch_transforms_active, is_dynamo_compiling, is_functorch_wrapped
 from ..activations import SILU, GLUActivation
 from ..kernels.launch import cuda_kernels_available
 from ..kernels.launch_config import current_launch_config, forced_launcher
@@ -185,7 +185,9 @@ def _decide(launcher, spec, x, config, key):
 def eager_path(x: torch.Tensor, spec: GLUActivation):
     """The call's path, decided once at the API: None under a tracer or a
     torch.func transform (``route`` decides per primitive there)."""
-    if torch.compiler.is_compiling() or functorch_transforms_active() or is_functorch_wrapped(x):
+    # torch.compiler.is_compiling(), a frame less (``_torch_compat.compiler_state``)
+    if (is_dynamo_compiling() or compiler_state._is_compiling_flag or functorch_transforms_active()
+            or is_functorch_wrapped(x)):
         return None
     # path_for's lookup and ``_path_key`` inline (Python frames less on every call).
     launcher, config = forced_launcher(), current_launch_config()
