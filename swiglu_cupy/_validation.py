@@ -188,23 +188,24 @@ def common_case(x, w1, b1, w2, b2, w3, b3, packed: bool) -> bool:
     check holds; False sends the call through the full checks, for the
     precise error. torch.compile traces it: only what Dynamo can trace here.
 
-    A device is compared as (``is_cuda``, ``get_device()``, ``is_meta``), a
-    bool and an int each, not as a ``torch.device``: building those objects
-    took ~4.5 us of a decode-sized call. That tells CUDA devices apart, and
-    each from the CPU (index -1) and from meta; two other accelerator types
-    at one index (which no process mixes) would pass here and meet torch's own
-    device-mismatch error in the first GEMM."""
+    A device is compared as (``get_device()``, ``is_meta``), an int and a
+    bool each, not as a ``torch.device``: building those objects took ~4.5 us
+    of a decode-sized call. That tells CUDA devices apart, each from the CPU
+    (index -1), and meta (also -1) from both; two accelerator types at one
+    index (CUDA and another, which no process mixes) would pass here and meet
+    torch's own device-mismatch error in the first GEMM. Meta must be asked:
+    ``F.linear`` of a CPU x and a meta weight returns zeros, raising nothing."""
     if type(x) not in _PLAIN_TENSORS or x.layout is not torch.strided or x.is_meta:
         return False
-    dtype, cuda, index = x.dtype, x.is_cuda, x.get_device()
+    dtype, index = x.dtype, x.get_device()
     if dtype not in SUPPORTED_DTYPES:
         return False
     try:  # non-strided layouts report non-contiguous (or raise); a rank other than 2 fails to unpack
         if w1 is None or w3 is None or (w2 is None) is not packed or (packed and b2 is not None):
             return False
         for t in (w1, w3, w2, b1, b2, b3):
-            if t is not None and (type(t) not in _PLAIN_TENSORS or t.dtype is not dtype or t.is_cuda is not cuda
-                                  or t.get_device() != index or t.is_meta or not t.is_contiguous()):
+            if t is not None and (type(t) not in _PLAIN_TENSORS or t.dtype is not dtype or t.get_device() != index
+                                  or t.is_meta or not t.is_contiguous()):
                 return False
         rows, D = w1.shape
         O, H = w3.shape
