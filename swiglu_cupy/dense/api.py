@@ -87,8 +87,8 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
             x, key, (activation, launcher, config), recompute_gate_up, inplace_backward, saved_x12,
             tile_grads_fp32, halves_only)
         if common:  # a tensor left over from a transform needs torch's apply, which unwraps it
-            for t in args:  # transforms wrap into plain torch.Tensor objects, never Parameters
-                if t.__class__ is torch.Tensor and is_functorch_wrapped(t):
+            for t in args:  # transforms wrap into plain torch.Tensor objects, never Parameters; x was asked above
+                if t.__class__ is torch.Tensor and t is not x and is_functorch_wrapped(t):
                     common = False
                     break
     if options is None:  # traced or transformed: no path
