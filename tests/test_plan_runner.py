@@ -58,22 +58,25 @@ def patched(p=0.0, cls=GatedMLP):
     return reference, model[0]
 
 
-def whole_calls(monkeypatch) -> list:
-    """Each run of the whole MLP in the fused op (either layout's entry point)."""
+def counted(monkeypatch, *names) -> list:
+    """A list that grows by one at each call of any of ``plan_runner``'s ``names`` (which still run)."""
     calls = []
-    for name in ("swiglu", "swiglu_unpacked"):
+    for name in names:
         real = getattr(plan_runner, name)
         monkeypatch.setattr(plan_runner, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
     return calls
+
+
+def whole_calls(monkeypatch) -> list:
+    """Each run of the whole MLP in the fused op (either layout's entry point)."""
+    return counted(monkeypatch, "swiglu", "swiglu_unpacked")
 
 
 def test_decided_once_and_kept(monkeypatch):
     _, mlp = patched()
     x = torch.randn(3, 16, dtype=torch.float64)
     mlp(x)
-    decisions = []
-    real = plan_runner._decide_fusion
-    monkeypatch.setattr(plan_runner, "_decide_fusion", lambda *a: decisions.append(1) or real(*a))
+    decisions = counted(monkeypatch, "_decide_fusion")
     for _ in range(3):
         mlp(x)
     assert decisions == [] and mlp.fusion() == "mlp"
@@ -86,9 +89,7 @@ def test_the_usual_state_is_compared_in_place_and_anything_else_builds_it(monkey
     _, mlp = patched()
     x = torch.randn(3, 16, dtype=torch.float64)
     mlp(x)
-    built = []
-    real = plan_runner._fusion_state
-    monkeypatch.setattr(plan_runner, "_fusion_state", lambda *a: built.append(1) or real(*a))
+    built = counted(monkeypatch, "_fusion_state")
     mlp(x), mlp(x)
     assert built == [] and mlp.fusion() == "mlp"
     handle = mlp.gate_proj.register_forward_pre_hook(lambda m, i: None)
