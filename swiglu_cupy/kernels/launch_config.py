@@ -137,7 +137,8 @@ forced_launcher = functools.partial(_forced.__getitem__, 0)
 def using_launcher(launcher) -> Iterator[object]:
     """Route every primitive call, CPU tensors included, through the kernel
     path with ``launcher`` (an object with ``launch(name, dtype, device, grid,
-    block, args)``, e.g. ``swiglu_cupy.testing.host_exec.HostLauncher``)
+    block, args)``, ``args`` as ``launch.Launcher`` says: pointers as ints,
+    the rest numpy-typed; e.g. ``swiglu_cupy.kernels.host_exec.HostLauncher``)
     inside the block: the whole op then runs the ``.cu`` kernels. Process-wide,
     not per thread, because autograd may run backward on its own threads;
     meant for tests and harnesses, not for concurrent use."""
