@@ -236,6 +236,7 @@ def test_compiling_in_one_frame_answers_is_compiling():
 
     for state in (compat.compiler_state, compat._AskIsCompiling()):
         assert compiling(state) is False is torch.compiler.is_compiling()
+        torch._dynamo.reset()  # one lambda, two states: each compiles afresh (the guard on ``state``)
         traced = torch.compile(lambda x, state=state: x + 1 if compiling(state) else x - 1, fullgraph=True,
                                backend="eager")
         with torch._dynamo.config.patch(error_on_recompile=True):  # no guard on the flag fails after the trace
