@@ -68,8 +68,9 @@ def counted(monkeypatch, *names) -> list:
 
 
 def whole_calls(monkeypatch) -> list:
-    """Each run of the whole MLP in the fused op (either layout's entry point)."""
-    return counted(monkeypatch, "swiglu", "swiglu_unpacked")
+    """Each run of the whole MLP in the fused op (the packed layouts' entry points, and the usual
+    separate projections' call of the API's ``run_feed_forward``)."""
+    return counted(monkeypatch, "swiglu", "swiglu_unpacked", "run_feed_forward")
 
 
 def test_decided_once_and_kept(monkeypatch):
@@ -83,23 +84,30 @@ def test_decided_once_and_kept(monkeypatch):
 
 
 def test_the_usual_state_is_compared_in_place_and_anything_else_builds_it(monkeypatch):
-    """No hook anywhere and no DeepSpeed: each call compares the kept tuples
-    (no state list is built); a hooked projection or DeepSpeed loaded builds
-    the whole state at each call, which still sees the hook go."""
+    """No hook anywhere and no DeepSpeed: each forward compares the kept
+    tuples (``run_plan``; no state list is built); a hooked projection or
+    DeepSpeed loaded builds the whole state at each call, which still sees
+    the hook go. ``fusion()`` asks ``fusion_of``, which builds it."""
     _, mlp = patched()
     x = torch.randn(3, 16, dtype=torch.float64)
     mlp(x)
     built = counted(monkeypatch, "_fusion_state")
+    whole = whole_calls(monkeypatch)
     mlp(x), mlp(x)
-    assert built == [] and mlp.fusion() == "mlp"
+    assert built == [] and len(whole) == 2
+    assert mlp.fusion() == "mlp" and len(built) == 1
     handle = mlp.gate_proj.register_forward_pre_hook(lambda m, i: None)
-    assert mlp.fusion() == "activation" and mlp.fusion() == "activation" and len(built) == 2
+    mlp(x), mlp(x)
+    assert len(built) == 3 and len(whole) == 2 and mlp.fusion() == "activation"
     handle.remove()
-    assert mlp.fusion() == "mlp" and len(built) == 3
-    assert mlp.fusion() == "mlp" and len(built) == 3  # the usual state again: in place
+    mlp(x)
+    assert len(built) == 5 and len(whole) == 3  # decided again (the fusion() above built one more)
+    mlp(x)
+    assert len(built) == 5 and len(whole) == 4  # the usual state again: in place
     monkeypatch.setitem(sys.modules, "deepspeed", object())  # loaded: ZeRO-3's hooks may come and go
     monkeypatch.setattr(plan_runner, "_zero3", lambda: None)
-    assert mlp.fusion() == "mlp" and len(built) == 4
+    mlp(x)
+    assert len(built) == 6 and len(whole) == 5
 
 
 @pytest.mark.parametrize("change", ["forward_hook", "pre_hook", "backward_hook", "instance_forward",

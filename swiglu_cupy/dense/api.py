@@ -45,7 +45,7 @@ _DECIDED: dict[tuple, tuple] = {}
 first_use_check.on_reset.append(_DECIDED.clear)
 
 
-def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
+def run_feed_forward(args: list, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
          halves_only: bool, common: bool) -> torch.Tensor:
     """The one place a feed-forward call is decided and SwiGLUFunction
     applied. Decided once, here: the settings (checked; each bad one raises,
@@ -60,7 +60,7 @@ def _run(args: list, activation, recompute_gate_up, inplace_backward, saved_x12,
     (it picks its own precision), decided for the cast dtype."""
     x = args[0]
     if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
-        return under_autocast(x.device.type, args, lambda cast: _run(
+        return under_autocast(x.device.type, args, lambda cast: run_feed_forward(
             cast, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
             halves_only, common))
     if tile_rows is not None:
@@ -167,7 +167,7 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    return _run([x, w12, b12, None, None, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
+    return run_feed_forward([x, w12, b12, None, None, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
                 tile_rows, tile_grads_fp32, False, common)
 
 
@@ -188,11 +188,17 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     """
     common = check.common_case(x, w1, b1, w2, b2, w3, b3, False)
     if not common:
-        check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
-                           _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
-        check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
-    return _run([x, w1, b1, w2, b2, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
+        check_unpacked_call(x, w1, b1, w2, b2, w3, b3)
+    return run_feed_forward([x, w1, b1, w2, b2, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
                 tile_rows, tile_grads_fp32, True, common)
+
+
+def check_unpacked_call(x, w1, b1, w2, b2, w3, b3) -> None:
+    """The full checks of ``swiglu_unpacked``'s tensors (each error names its
+    argument), for a call that is not ``check.common_case``."""
+    check.check_inputs({"x": x, "w1": w1, "b1": b1, "w2": w2, "b2": b2, "w3": w3, "b3": b3},
+                       _UNPACKED_ROLES, optional=("b1", "b2", "b3"))
+    check.check_unpacked_shapes(x, w1, b1, w2, b2, w3, b3)
 
 
 def _from_dlpack_module(array):

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from .._torch_compat import DROPOUT_CLASSES, GLOBAL_MODULE_HOOKS, global_module_hooks_active
-from ..dense.api import glu_mul, swiglu, swiglu_unpacked
+from .._validation import common_case
+from ..dense.api import check_unpacked_call, glu_mul, run_feed_forward, swiglu, swiglu_unpacked
 from ..dense.module import linear_params
 from ..reference import glu_reference
 from .recognition import GLUPlan
@@ -115,31 +116,12 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     presence counts; with it, whether the module is a ZeRO-3 leaf and which
     hooks each projection has (handle ids are never reused), since ZeRO-3's
     own hooks are none. The usual state (no DeepSpeed, no hook anywhere) is
-    kept also as tuples compared in place at each call (no state is built
-    per call there: ~1.4 us of a decode-sized patched call)."""
+    kept also as tuples that ``run_plan`` compares in place before it asks
+    here (:func:`_usual_fusion`)."""
     if plan is None or (plan.dropout_unproven and unproven_dropout_active(module, plan)):
         return None
-    mods = module._modules
+    state = _fusion_state(module, plan, module._modules)
     kept = module.__dict__.get(_FUSION_ATTR)
-    usual = None if kept is None else kept[2]
-    if (usual is not None and usual[0] is plan and "deepspeed" not in sys.modules
-            and not any(GLOBAL_MODULE_HOOKS)):
-        for name, ident, cls, own_forward in usual[1]:
-            m = mods.get(name)
-            attrs = m.__dict__  # every nn.Module has its four hook dicts there (an attribute lookup costs more)
-            if (id(m) != ident or m.__class__ is not cls or ("forward" in attrs) is not own_forward
-                    or attrs["_forward_pre_hooks"] or attrs["_forward_hooks"] or attrs["_backward_pre_hooks"]
-                    or attrs["_backward_hooks"]):
-                break
-        else:
-            for name, ident, cls, training, rate in usual[2]:
-                m = mods.get(name)
-                if (id(m) != ident or m.__class__ is not cls or getattr(m, "training", None) != training
-                        or getattr(m, "p", None) != rate):
-                    break
-            else:
-                return kept[1]
-    state = _fusion_state(module, plan, mods)
     if kept is not None and kept[0] == state:
         return kept[1]
     fusion = _decide_fusion(module, plan)
@@ -243,7 +225,34 @@ def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_u
     ``saved_x12`` and ``tile_rows`` reach the whole-MLP op (the activation-only
     fusion saves gate and up, as their modules gave them, and is not tiled)."""
     mods = module._modules  # decoding calls this once per token: no nn.Module.__getattr__
-    if fused and fusion_of(module, plan) == "mlp":  # the whole MLP in the fused op, the weights used in place
+    fusion = None
+    if fused:
+        # ``fusion_of``'s answer while its usual state holds, compared here in place (a frame less
+        # per call): no DeepSpeed, no global hook, and each projection the very module it was, of
+        # its class, its own forward as it was and no hook, each module between unchanged.
+        kept = module.__dict__.get(_FUSION_ATTR)
+        usual = None if kept is None else kept[2]
+        if (usual is not None and usual[0] is plan and "deepspeed" not in sys.modules
+                and not any(GLOBAL_MODULE_HOOKS)
+                and not (plan.dropout_unproven and unproven_dropout_active(module, plan))):
+            for name, ident, cls, own_forward in usual[1]:
+                m = mods.get(name)
+                attrs = m.__dict__  # every nn.Module has its four hook dicts there (an attribute lookup costs more)
+                if (id(m) != ident or m.__class__ is not cls or ("forward" in attrs) is not own_forward
+                        or attrs["_forward_pre_hooks"] or attrs["_forward_hooks"] or attrs["_backward_pre_hooks"]
+                        or attrs["_backward_hooks"]):
+                    break
+            else:
+                for name, ident, cls, training, rate in usual[2]:
+                    m = mods.get(name)
+                    if (id(m) != ident or m.__class__ is not cls or getattr(m, "training", None) != training
+                            or getattr(m, "p", None) != rate):
+                        break
+                else:
+                    fusion = kept[1]
+        if fusion is None:
+            fusion = fusion_of(module, plan)
+    if fusion == "mlp":  # the whole MLP in the fused op, the weights used in place
         if plan.packed is not None:
             out = _packed_mlp(x, plan, mods, recompute_gate_up, inplace_backward, saved_x12, tile_rows)
         else:  # the usual HF MLP, here (a frame less per call); its modes passed as they are
@@ -254,9 +263,12 @@ def run_plan(module: nn.Module, x: torch.Tensor, plan: GLUPlan, recompute_gate_u
             except KeyError:  # a parametrization or FSDP1's views replaced a registered entry
                 (wg, bg), (wu, bu), (wd, bd) = (linear_params(mods[plan.gate]), linear_params(mods[plan.up]),
                                                 linear_params(mods[plan.down]))
-            out = swiglu_unpacked(x, wg, bg, wu, bu, wd, bd, activation=plan.activation,
-                                  recompute_gate_up=recompute_gate_up, inplace_backward=inplace_backward,
-                                  saved_x12=saved_x12, tile_rows=tile_rows)
+            # ``swiglu_unpacked``'s body, here: a frame less per call.
+            common = common_case(x, wg, bg, wu, bu, wd, bd, False)
+            if not common:
+                check_unpacked_call(x, wg, bg, wu, bu, wd, bd)
+            out = run_feed_forward([x, wg, bg, wu, bu, wd, bd], plan.activation, recompute_gate_up,
+                                   inplace_backward, saved_x12, tile_rows, True, True, common)
     else:
         if fused:
             adopt_zero3(module, plan)
