@@ -73,8 +73,8 @@ class FusedGLUMLP(nn.Module):
         plan = self.swiglu_plan
         if plan is None or args or kwargs or (plan.dropout_unproven and unproven_dropout_active(self, plan)):
             return super().forward(x, *args, **kwargs)
-        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, saved_x12=self.saved_x12,
-                        tile_rows=self.tile_rows)
+        return run_plan(self, x, plan, self.recompute_gate_up, self.inplace_backward, True, self.saved_x12,
+                        self.tile_rows)  # positional: binding keywords costs more per call
 
     @property
     def swiglu_activation(self) -> GLUActivation | None:
