@@ -45,8 +45,8 @@ _DECIDED: dict[tuple, tuple] = {}
 first_use_check.on_reset.append(_DECIDED.clear)
 
 
-def run_feed_forward(args: list, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows, tile_grads_fp32,
-         halves_only: bool, common: bool) -> torch.Tensor:
+def run_feed_forward(args: list, activation, recompute_gate_up, inplace_backward, saved_x12, tile_rows,
+                     tile_grads_fp32, halves_only: bool, common: bool) -> torch.Tensor:
     """The one place a feed-forward call is decided and SwiGLUFunction
     applied. Decided once, here: the settings (checked; each bad one raises,
     naming its argument), the route and the path (kernels or torch,
@@ -55,9 +55,11 @@ def run_feed_forward(args: list, activation, recompute_gate_up, inplace_backward
     no path (decided per primitive there); inside torch.jit.trace it raises.
     ``common``: the arguments passed ``check.common_case``; such an eager
     call with no tensor left wrapped by a transform (asked here, where Dynamo
-    never traces) applies the Function without torch's unwrapping. Under autocast every input is first cast to the
-    autocast dtype, like nn.Linear, and the Function runs with autocast off
-    (it picks its own precision), decided for the cast dtype."""
+    never traces) applies the Function without torch's unwrapping. Under
+    autocast every input is first cast to the autocast dtype, like
+    nn.Linear, and the Function runs with autocast off (it picks its own
+    precision), decided for the cast dtype. ``swiglu``, ``swiglu_unpacked``
+    and a patched MLP's ``run_plan`` call it after their input checks."""
     x = args[0]
     if any_autocast_enabled() and torch.is_autocast_enabled(x.device.type):
         return under_autocast(x.device.type, args, lambda cast: run_feed_forward(
@@ -167,8 +169,8 @@ def swiglu(x: torch.Tensor, w12: torch.Tensor, b12: torch.Tensor | None,
         check.check_inputs({"x": x, "w12": w12, "b12": b12, "w3": w3, "b3": b3}, _PACKED_ROLES,
                            optional=("b12", "b3"))
         check.check_packed_shapes(x, w12, b12, w3, b3)
-    return run_feed_forward([x, w12, b12, None, None, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
-                tile_rows, tile_grads_fp32, False, common)
+    return run_feed_forward([x, w12, b12, None, None, w3, b3], activation, recompute_gate_up, inplace_backward,
+                            saved_x12, tile_rows, tile_grads_fp32, False, common)
 
 
 def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
@@ -183,14 +185,14 @@ def swiglu_unpacked(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None,
     outputs the kernels read where they lie (the modes that need one x12
     buffer write its halves); the same Function, kernels and guarantees as
     ``swiglu`` (backward takes one GEMM more: dx is ``dgate @ w1 + dup @ w2``).
-    ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves layout only (separate weights
-    have no interleaving).
+    ``activation``, ``saved_x12``, ``tile_rows`` and ``tile_grads_fp32`` as in ``swiglu``, halves
+    layout only (separate weights have no interleaving).
     """
     common = check.common_case(x, w1, b1, w2, b2, w3, b3, False)
     if not common:
         check_unpacked_call(x, w1, b1, w2, b2, w3, b3)
-    return run_feed_forward([x, w1, b1, w2, b2, w3, b3], activation, recompute_gate_up, inplace_backward, saved_x12,
-                tile_rows, tile_grads_fp32, True, common)
+    return run_feed_forward([x, w1, b1, w2, b2, w3, b3], activation, recompute_gate_up, inplace_backward,
+                            saved_x12, tile_rows, tile_grads_fp32, True, common)
 
 
 def check_unpacked_call(x, w1, b1, w2, b2, w3, b3) -> None:

@@ -116,8 +116,8 @@ def fusion_of(module: nn.Module, plan: GLUPlan | None) -> str | None:
     presence counts; with it, whether the module is a ZeRO-3 leaf and which
     hooks each projection has (handle ids are never reused), since ZeRO-3's
     own hooks are none. The usual state (no DeepSpeed, no hook anywhere) is
-    kept also as tuples that ``run_plan`` compares in place before it asks
-    here (:func:`_usual_fusion`)."""
+    kept also as tuples that :func:`run_plan` compares in place at each call
+    before it asks here."""
     if plan is None or (plan.dropout_unproven and unproven_dropout_active(module, plan)):
         return None
     state = _fusion_state(module, plan, module._modules)
