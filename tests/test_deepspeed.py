@@ -143,6 +143,7 @@ class _Counts:
 
         counting(plan_runner, "swiglu", "whole")  # the whole MLP fused, either layout
         counting(plan_runner, "swiglu_unpacked", "whole")
+        counting(plan_runner, "run_feed_forward", "whole")  # the usual separate projections (swiglu_unpacked's body)
         counting(plan_runner, "glu_mul", "activation")
         counting(hf_experts, "route_and_combine", "experts")
 

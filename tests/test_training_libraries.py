@@ -50,17 +50,20 @@ def whole_mlp_calls(monkeypatch):
     return count_whole_mlp_calls(monkeypatch)
 
 
-def count_whole_mlp_calls(monkeypatch, module=fused_forward, name: str = "swiglu_unpacked") -> list[int]:
+def count_whole_mlp_calls(monkeypatch, module=fused_forward, name: str | None = None) -> list[int]:
     """The rows of each call of the whole-MLP fused op (``module.<name>``: the
-    walk's fused forward, or a class-switched library's) from now on (until
-    ``monkeypatch`` is undone); also used in the ranks of
-    test_training_libraries_sharded.py."""
+    walk's fused forward, whose separate projections call the API's
+    ``run_feed_forward`` with ``[x, weights...]``, or a class-switched
+    library's ``swiglu_unpacked``) from now on (until ``monkeypatch`` is
+    undone); also used in the ranks of test_training_libraries_sharded.py."""
     calls = []
+    name = name or ("run_feed_forward" if module is fused_forward else "swiglu_unpacked")
     real = getattr(module, name)
 
-    def counting(x, *args, **kwargs):
+    def counting(first, *args, **kwargs):
+        x = first[0] if isinstance(first, list) else first  # run_feed_forward takes [x, weights...]
         calls.append(x.shape[0] if x.dim() == 2 else x.shape[:-1].numel())
-        return real(x, *args, **kwargs)
+        return real(first, *args, **kwargs)
 
     monkeypatch.setattr(module, name, counting)
     return calls
