@@ -1,5 +1,6 @@
 """The functional API (api.py): swiglu() and the references on the CPU path, through SwiGLUFunction."""
 import ast
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -95,15 +96,43 @@ def test_gradcheck_float64(bias):
     assert torch.autograd.gradcheck(sc.swiglu, (x, w12, b12, w3, b3))
 
 
-def test_output_is_not_a_view_and_has_input_layout():
-    x = torch.randn(2, 3, D)
-    y = sc.swiglu(x, *_params(torch.float32, True, True))
-    assert not y._is_view()
-    assert y.shape == (2, 3, O) and y.is_contiguous()
-    x.requires_grad_(True)
-    y = sc.swiglu(x, *_params(torch.float32, True, True))
-    y.sum().backward()
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "host-kernels"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "separate"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("lead", [(2, 3), (2, 1, 3), (1, 1), (0, 3)], ids=["3d", "4d", "decode", "no-rows"])
+def test_output_is_not_a_view_and_has_input_layout(lead, bias, packed, kernels, host_launcher):
+    """An N-D x's y is a tensor of its own in x's leading shape (no view: FSDP2
+    warns about a view output), with and without grad, whichever GEMM path
+    writes it (without a bias torch folds the rows; with one y is allocated),
+    and matches the float64 reference."""
+    from conftest import primitives_on_host_kernels
+
+    w12, b12, w3, b3 = _params(torch.float32, bias, bias)
+    if packed:
+        weights = [w12, b12, w3, b3]
+    else:  # swiglu_unpacked(x, w1, b1, w2, b2, w3, b3)
+        (w1, w2), (b1, b2) = w12.chunk(2), (b12.chunk(2) if bias else (None, None))
+        weights = [w1, b1, w2, b2, w3, b3]
+    weights = [None if w is None else w.contiguous() for w in weights]
+    fn = sc.swiglu if packed else sc.swiglu_unpacked
+    x = torch.randn(*lead, D)
+    expected = swiglu_fp64_reference(x.double(), *(None if t is None else t.double() for t in (w12, b12, w3, b3)))
+    with primitives_on_host_kernels(host_launcher) if kernels else contextlib.nullcontext():
+        with torch.no_grad():
+            y = fn(x, *weights)
+        assert not y._is_view() and y._base is None
+        assert y.shape == (*lead, O) and y.is_contiguous()
+        if y.numel():
+            assert rel_rms(y, expected) < REL_RMS_BOUND[torch.float32]
+        x.requires_grad_(True)
+        leaves = _leaves(weights)
+        y = fn(x, *leaves)
+        assert not y._is_view() and y._base is None and y.requires_grad
+        assert y.shape == (*lead, O) and y.is_contiguous()
+        y.sum().backward()
     assert x.grad.shape == x.shape
+    if x.numel():
+        assert_nontrivial(x.grad, "x")
 
 
 def test_non_contiguous_input():

@@ -241,14 +241,14 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
                                           activation, tile_rows, inference, is_functional, saved_x12_fp8,
                                           None if flat else (*x.shape[:-1], w3.shape[0]))
     x2d = x if flat else x.reshape(-1, x.shape[-1])
-    out_shape = None if flat else (*x.shape[:-1], w3.shape[0])
+    lead = None if flat else x.shape[:-1]  # x's leading dims (y's, with w3's rows)
     if w2 is not None and path is not None and path.halves_apart and (
             inference or not (saved_x12_fp8 or x12_buffer)):
         # The GEMMs themselves, as ``gemm`` would run them (a Python frame less each on every call):
         # gate and up, and a 2-D x's down projection.
         gate, up = F.linear(x2d, w1, b1), F.linear(x2d, w2, b2)
         h = path.forward_over_gate(gate, up) if inference else path.forward_halves(gate, up)
-        y = F.linear(h, w3, b3) if flat else _gemm.down(h, w3, b3, out_shape, is_functional)
+        y = F.linear(h, w3, b3) if flat else _gemm.down(h, w3, b3, lead, is_functional)
         return (y, h) if inference else (y, gate, up)
     # Packed weights' x12, and a 2-D x's down projection: the GEMMs themselves, as above.
     x12 = F.linear(x2d, w1, b1) if w2 is None else _gemm.gate_up(x2d, w1, b1, w2, b2, is_functional)
@@ -259,7 +259,7 @@ def swiglu_forward_pass(x, w1, b1, w2, b2, w3, b3, activation, inference: bool, 
         h, x12 = route.forward_fp8(x12, activation) if path is None else path.forward_fp8(x12)
     else:
         h = route.forward(x12, activation) if path is None else path.forward(x12)
-    return F.linear(h, w3, b3) if flat else _gemm.down(h, w3, b3, out_shape, is_functional), x12
+    return F.linear(h, w3, b3) if flat else _gemm.down(h, w3, b3, lead, is_functional), x12
 
 
 def _swiglu_vmap_rule(info, in_dims, tensors, modes):
