@@ -146,9 +146,12 @@ def test_bench_host_cost_quick_prints_every_entry_point_on_both_routes(tmp_path,
     assert (tmp_path / "host_cost.txt").read_text().strip() in out
     assert report["threads"] == 1 and report["quick"] and report["rounds"] == 2
     assert report["shapes"] == {"decode": {"D": 64, "H": 176, "M": 1, "dtype": "fp32"},
+                                "decode 3-D": {"D": 64, "H": 176, "M": [1, 1], "dtype": "fp32"},
                                 "train": {"D": 256, "H": 704, "M": 64, "dtype": "fp32"}}
+    shapes = ("decode", "decode 3-D", "train")
     assert [(c["shape"]["name"], c["mode"], c["route"]) for c in report["cases"]] == [
-        (s, m, r) for s in ("decode", "train") for m in host_cost.MODES for r in ("cuda route", "torch route")]
+        (s, m, r) for s in shapes for m in host_cost.MODES for r in ("cuda route", "torch route")]
+    assert [c["shape"]["x_shape"] for c in report["cases"][::6]] == [[1, 64], [1, 1, 64], [64, 256]]
     names = [*host_cost.REFERENCES, "eager MLP", "eager experts"]
     for case in report["cases"]:
         where = f"{case['shape']['name']} {case['mode']} {case['route']}"
@@ -173,7 +176,8 @@ def test_bench_host_cost_quick_prints_every_entry_point_on_both_routes(tmp_path,
                 assert launches == (0 if name not in host_cost.REFERENCES else
                                     2 if case["mode"] == "forward+backward" else 1), (where, name)
     # The table: each shape, mode and route, and a row with numbers per entry point and reference.
-    for shape in ("== decode  M=1 D=64 H=176 fp32", "== train  M=64 D=256 H=704 fp32"):
+    for shape in ("== decode  x [1, 64] D=64 H=176 fp32", "== decode 3-D  x [1, 1, 64] D=64 H=176 fp32",
+                  "== train  x [64, 256] D=256 H=704 fp32"):
         assert shape in out
     for mode in host_cost.MODES:
         assert f"-- {mode}\n" in out
@@ -181,7 +185,7 @@ def test_bench_host_cost_quick_prints_every_entry_point_on_both_routes(tmp_path,
     rows = [line for line in out.splitlines() if line.startswith("  ") and " | " in line]
     for name in names:
         mine = [line for line in rows if line[2:].startswith(name + " ")]
-        assert len(mine) == 6, (name, mine)
+        assert len(mine) == 9, (name, mine)
         for line in mine:
             if name in report["unavailable"]:
                 assert "unavailable: transformers" in line

@@ -155,7 +155,9 @@ def _mixtral_experts(D, H, dtype, patched, experts=8, top_k=2):
     :func:`build_entry`), switched to the fused op by ``patch_experts`` when
     ``patched``, else on transformers' "eager" implementation (its own loop
     over the experts hit); the call routes each token to ``top_k`` random
-    experts from a generator of its own, seeded alike for both."""
+    experts from a generator of its own, seeded alike for both. An N-D x
+    goes in flat, as an MoE block hands its experts the tokens, and its
+    output comes back in x's shape."""
     try:
         from transformers.models.mixtral.modeling_mixtral import MixtralExperts
         from transformers import AutoConfig
@@ -184,7 +186,8 @@ def _mixtral_experts(D, H, dtype, patched, experts=8, top_k=2):
         tokens = x.reshape(-1, x.shape[-1])
         ids = torch.randint(0, experts, (tokens.shape[0], top_k), generator=generator)
         weights = torch.full((tokens.shape[0], top_k), 1.0 / top_k, dtype=x.dtype)
-        return module(tokens, ids, weights)
+        out = module(tokens, ids, weights)  # an MoE block hands its experts the tokens flat, [T, D]
+        return out if x.dim() == 2 else out.view(x.shape)
 
     return module, call
 

@@ -18,11 +18,14 @@ CPU_PATH_SHAPE = (512, 1408, 2048)          # D, H, M for the CPU-path ratios (b
 CPU_PATH_QUICK_TOKENS = 256                 # M of the CPU-path ratios under --quick (a look, not a measurement)
 CPU_PATH_DTYPES = ("fp32", "bf16")
 # bench --host-cost (CPU, one thread): the host time per call of the package's entry points, CUDA route
-# and torch route, at a decode shape and a small training shape; D, H, M, dtype as above.
+# and torch route, at decode shapes and a small training shape; D, H, M, dtype as above, where M may be
+# x's leading dims: transformers' decoder layers call an MLP on [batch, tokens, D], (1, 1) when decoding.
 HOST_COST_DECODE_SHAPE = (64, 176, 1, "fp32")
+HOST_COST_HF_DECODE_SHAPE = (64, 176, (1, 1), "fp32")
 HOST_COST_TRAIN_SHAPE = (256, 704, 64, "fp32")
-HOST_COST_SHAPES = {"decode": HOST_COST_DECODE_SHAPE, "train": HOST_COST_TRAIN_SHAPE}
-HOST_COST_CALLS = {"decode": 50, "train": 10}   # calls per timed block (--quick: HOST_COST_QUICK_CALLS)
+HOST_COST_SHAPES = {"decode": HOST_COST_DECODE_SHAPE, "decode 3-D": HOST_COST_HF_DECODE_SHAPE,
+                    "train": HOST_COST_TRAIN_SHAPE}
+HOST_COST_CALLS = {"decode": 50, "decode 3-D": 50, "train": 10}   # calls per timed block (--quick: HOST_COST_QUICK_CALLS)
 HOST_COST_ROUNDS = 21                            # interleaved rounds behind each median (--repeats)
 HOST_COST_WARMUP = 10                            # untimed calls per entry point, mode and route (--warmup)
 HOST_COST_QUICK_CALLS, HOST_COST_QUICK_ROUNDS, HOST_COST_QUICK_WARMUP = 2, 2, 2   # --quick: a look, not a measurement

@@ -8,8 +8,9 @@ on the CUDA route and on the torch route side by side.
   (the GEMMs still run, on the CPU, in both routes and in the reference).
 - **torch route**: the plain call on CPU tensors (the torch implementation).
 
-Per shape (``config.HOST_COST_SHAPES``: a decode shape, M=1, and a small
-training shape), mode (``tools.host_cost.MODES``: forward with grad,
+Per shape (``config.HOST_COST_SHAPES``: decode, x [1, D]; decode as
+transformers' decoder layers call an MLP, x [1, 1, D]; and a small training
+shape), mode (``tools.host_cost.MODES``: forward with grad,
 forward+backward, no_grad forward) and route, the entry points and their
 eager references (``tools.host_cost.REFERENCES``) are timed interleaved
 (``measure.interleaved``: rounds of one block of calls each, the order
@@ -102,7 +103,8 @@ def bench_case(built: dict, mode: str, route: str, x: torch.Tensor, dy: torch.Te
 
 
 def bench_host_cost(shapes: dict, calls: dict, rounds: int, warmup: int, progress) -> list[dict]:
-    """Every (shape, mode, route) case; ``shapes``: name -> (D, H, M, dtype)."""
+    """Every (shape, mode, route) case; ``shapes``: name -> (D, H, M, dtype),
+    x being [M, D], or ``[*M, D]`` where M is a tuple of leading dims."""
     clock = Clock(torch.device("cpu"))
     cases = []
     for shape_name, (D, H, M, dtype_name) in shapes.items():
@@ -110,14 +112,16 @@ def bench_host_cost(shapes: dict, calls: dict, rounds: int, warmup: int, progres
         progress(f"{shape_name}: build the entry points (D={D}, H={H}, {dtype_name})")
         built, reasons = build_all(D, H, dtype)
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(M, D, generator=g, dtype=torch.float32).to(dtype).requires_grad_(True)
-        dy = torch.randn(M, D, generator=g, dtype=torch.float32).to(dtype)
+        lead = M if isinstance(M, tuple) else (M,)
+        x = torch.randn(*lead, D, generator=g, dtype=torch.float32).to(dtype).requires_grad_(True)
+        dy = torch.randn(*lead, D, generator=g, dtype=torch.float32).to(dtype)
         for mode in harness.MODES:
             for route in ROUTES:
                 progress(f"{shape_name} M={M}: {mode}, {route}, {len(built)} entry points interleaved")
                 case = bench_case(built, mode, route, x, dy, clock, rounds, calls[shape_name], warmup)
                 case["null_reasons"].update(reasons)
-                case["shape"] = {"name": shape_name, "D": D, "H": H, "M": M, "dtype": dtype_name}
+                case["shape"] = {"name": shape_name, "D": D, "H": H, "M": M, "dtype": dtype_name,
+                                 "x_shape": list(x.shape)}
                 case["calls"] = calls[shape_name]
                 cases.append(case)
         built = x = dy = None
@@ -162,7 +166,7 @@ def format_host_cost(report: dict) -> str:
     for shape_name in dict.fromkeys(c["shape"]["name"] for c in cases):
         shape_cases = [c for c in cases if c["shape"]["name"] == shape_name]
         s = shape_cases[0]["shape"]
-        lines += ["", f"== {shape_name}  M={s['M']} D={s['D']} H={s['H']} {s['dtype']}, blocks of "
+        lines += ["", f"== {shape_name}  x {list(s['x_shape'])} D={s['D']} H={s['H']} {s['dtype']}, blocks of "
                       f"{shape_cases[0]['calls']} calls"]
         for mode in dict.fromkeys(c["mode"] for c in shape_cases):
             pair = [c for c in shape_cases if c["mode"] == mode]   # its routes, side by side
