@@ -2,9 +2,9 @@
 session (test_compile_check.py compiles the matrix; test_machine_code.py
 reads the same cubins instead of compiling them again).
 
-``SWIGLU_COMPILE_MATRIX`` picks the matrix: "full" (the default of
-test_compile_check) is every variant x dtype x arch; "sm_90" is every
-variant for sm_90 and SwiGLU's for every arch (the floor run of .ci/run).
+``SWIGLU_COMPILE_MATRIX`` picks the matrix: "sm_90" (the default of
+test_compile_check) is every variant for sm_90 and SwiGLU's for every arch;
+"full" is every variant x dtype x arch (the floor run of .ci/run).
 """
 from __future__ import annotations
 
