@@ -4,7 +4,8 @@ reads the same cubins instead of compiling them again).
 
 ``SWIGLU_COMPILE_MATRIX`` picks the matrix: "sm_90" (the default of
 test_compile_check) is every variant for sm_90 and SwiGLU's for every arch;
-"full" is every variant x dtype x arch (the floor run of .ci/run).
+"rest" the other modules (the floor run of .ci/run); "full" every variant x
+dtype x arch (test_machine_code reads the whole matrix only then).
 """
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ _lock = threading.Lock()
 _done: dict = {}   # (variant, dtype, arch) -> (reports, cubin, ptx or None)
 
 
+MATRIX_SETTINGS = ("sm_90", "rest", "full")
+
+
 def matrix_setting() -> str | None:
     """SWIGLU_COMPILE_MATRIX as set (None when unset)."""
     value = os.environ.get("SWIGLU_COMPILE_MATRIX")
-    if value is not None and value not in ("full", "sm_90"):
-        raise ValueError(f"SWIGLU_COMPILE_MATRIX must be 'full' or 'sm_90', got {value!r}")
+    if value is not None and value not in MATRIX_SETTINGS:
+        raise ValueError(f"SWIGLU_COMPILE_MATRIX must be one of {MATRIX_SETTINGS}, got {value!r}")
     return value
 
 
