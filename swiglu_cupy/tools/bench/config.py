@@ -25,7 +25,8 @@ HOST_COST_HF_DECODE_SHAPE = (64, 176, (1, 1), "fp32")
 HOST_COST_TRAIN_SHAPE = (256, 704, 64, "fp32")
 HOST_COST_SHAPES = {"decode": HOST_COST_DECODE_SHAPE, "decode 3-D": HOST_COST_HF_DECODE_SHAPE,
                     "train": HOST_COST_TRAIN_SHAPE}
-HOST_COST_CALLS = {"decode": 50, "decode 3-D": 50, "train": 10}   # calls per timed block (--quick: HOST_COST_QUICK_CALLS)
+# Calls per timed block (--quick: HOST_COST_QUICK_CALLS).
+HOST_COST_CALLS = {"decode": 50, "decode 3-D": 50, "train": 10}
 HOST_COST_ROUNDS = 21                            # interleaved rounds behind each median (--repeats)
 HOST_COST_WARMUP = 10                            # untimed calls per entry point, mode and route (--warmup)
 HOST_COST_QUICK_CALLS, HOST_COST_QUICK_ROUNDS, HOST_COST_QUICK_WARMUP = 2, 2, 2   # --quick: a look, not a measurement
