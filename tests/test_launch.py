@@ -94,7 +94,7 @@ def test_launch_uses_current_torch_stream_and_device(monkeypatch):
     assert launch[1:5] == ("swiglu_backward_scalar_p1", (1, 2, 1), (32, 8, 1), tuple(args))
     assert launch[5].ptr == 1234
     assert ("device", 1) in fake.calls
-    assert ("module", ("--std=c++17", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_FP8_SAVED_X12=1",
+    assert ("module", ("--std=c++17", "-ftz=true", "-DSWIGLU_MAX_THREADS_PER_BLOCK=512", "-DSWIGLU_FP8_SAVED_X12=1",
                        "-DSWIGLU_FP8_LANE_PACKS=2", "-DSWIGLU_SCALAR=float")) in fake.calls
 
 
@@ -140,6 +140,38 @@ def test_each_glu_variant_compiles_its_own_module_on_first_use(monkeypatch):
     with pytest.raises(ValueError, match="unknown kernel"):
         launcher.launch("glu_forward_swish_vec_p1", torch.bfloat16, torch.device("cuda", 0), (1, 1, 1), (32, 1, 1), [])
 
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_the_compile_check_builds_what_the_loader_builds(monkeypatch, dtype):
+    """The machine-code checks read ``compile_check``'s cubins: it must hand
+    NVRTC the loader's source and options (CuPy's ``-ftz=true`` included),
+    adding only the arch and ptxas' report, or the checks prove properties of
+    code that never runs."""
+    from swiglu_cupy.activations import GPT_OSS
+    from swiglu_cupy.kernels import compile_check
+    from swiglu_cupy.kernels import sources as _sources
+
+    fake = _FakeCupy()
+    loaded = []
+    fake.RawModule = lambda code, options: loaded.append((code, options)) or types.SimpleNamespace(
+        get_function=lambda name: types.SimpleNamespace(kernel=None))
+    monkeypatch.setattr(_launch, "import_cupy", lambda: fake)
+    checked = []
+
+    def record(source, options, label):
+        checked.append((source, options))
+        return {"k": (1, 0, 0, 0)}, b"", "", 0.0
+
+    monkeypatch.setattr(compile_check, "_compile", record)
+    for variant in (_sources.DEFAULT_VARIANT, _sources.kernel_variant(GPT_OSS)):
+        name = _sources.kernel_names(variant)[0]
+        _launch.CupyLauncher().function(name, dtype, 0)
+        compile_check.compile_module(dtype, "sm_90", variant)
+    assert len(loaded) == len(checked) == 2
+    for (code, options), (source, check_options) in zip(loaded, checked):
+        assert source == code
+        assert list(check_options) == [*options, "--gpu-architecture=sm_90", "-Xptxas=-v"]
+        assert "-ftz=true" in options  # what CuPy's RawModule adds to every compile, and runs
 
 def test_missing_cupy_falls_back_with_one_warning_naming_the_fix(monkeypatch):
     def no_cupy():

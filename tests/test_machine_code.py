@@ -181,6 +181,19 @@ def test_paired_math_stays_scalar_where_the_arch_has_none():
     assert codes and all(c.hot_loop_paired == 0 for c in codes.values())
 
 
+@needs_cuobjdump
+@pytest.mark.parametrize("job", [j for j in JOBS if j[1] != torch.float64],
+                         ids=lambda j: f"{variant_label(j[0])}-{dtype_label(j[1])}-{j[2]}")
+def test_fp32_math_flushes_denormals_as_built_at_run_time(job):
+    """The cubins read here are built as CuPy builds them at run time, with
+    ``-ftz=true``: every fp32 add, multiply, FMA and compare of every kernel
+    carries .FTZ. (float64 modules compute in double, which -ftz leaves
+    alone; their division's range test is an fp32 compare on a double's
+    high word, unflushed by design.)"""
+    problems = {k: mc.denormal_flush_problems(c) for k, c in module_codes(job).items()}
+    assert problems and not any(problems.values()), {k: p for k, p in problems.items() if p}
+
+
 def test_every_known_failure_names_a_real_kernel():
     """The list may only name kernels that exist (a renamed kernel must not
     leave a stale line that silently never runs)."""
@@ -660,6 +673,17 @@ def test_planted_scalar_math_trips_the_paired_math_check(planted):
         assert paired.instructions < clean.instructions  # two FMUL2 in place of four FMUL
     else:
         assert mc.paired_math_problems(paired)
+
+
+def test_planted_math_built_without_ftz_trips_the_denormal_flush_check(planted):
+    """PLANTED is compiled without ``-ftz=true``: its fp32 math has no .FTZ,
+    which the check names; the same source built with it passes."""
+    clean = planted["planted_clean"]
+    assert "without .FTZ" in " ".join(mc.denormal_flush_problems(clean))
+    _, cubin = compile_check.compile_source(PLANTED, clean.arch, ("-ftz=true",))
+    functions = sass.disassemble(cubin)
+    flushed = mc.analyze_function(functions["planted_clean"], functions)
+    assert flushed.unflushed_fp32 == [] and not mc.denormal_flush_problems(flushed)
 
 
 def test_planted_local_array_trips_the_local_memory_check(planted):

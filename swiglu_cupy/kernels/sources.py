@@ -231,8 +231,14 @@ def variant_of_kernel(name: str) -> KernelVariant:
 
 
 def compile_options(dtype: torch.dtype) -> tuple[str, ...]:
-    """NVRTC options for one storage dtype (the arch is added by the caller)."""
-    return ("--std=c++17", f"-DSWIGLU_MAX_THREADS_PER_BLOCK={MAX_THREADS_PER_BLOCK}",
+    """NVRTC options for one storage dtype (the arch is added by the caller):
+    the loader's (``launch.CupyLauncher``) and ``compile_check``'s, whose
+    cubins the machine-code checks read. ``-ftz=true`` (fp32 denormals
+    flushed) is what CuPy's RawModule adds to every compile; stated here, the
+    checks read the code that runs (without it, 21 of sm_90's 24 float32
+    kernels compile to other instructions). CuPy's copy of it is then a
+    duplicate, which NVRTC compiles to the same cubin."""
+    return ("--std=c++17", "-ftz=true", f"-DSWIGLU_MAX_THREADS_PER_BLOCK={MAX_THREADS_PER_BLOCK}",
             f"-DSWIGLU_FP8_SAVED_X12={int(builds_fp8_kernels(dtype))}", f"-DSWIGLU_FP8_LANE_PACKS={FP8_LANE_PACKS}",
             f"-DSWIGLU_SCALAR={CTYPE_OF_DTYPE[dtype]}")
 

@@ -279,6 +279,7 @@ class KernelCode:
     all_accesses: Counter = field(default_factory=Counter)
     hot_loop_calls: int = 0
     hot_loop_paired: int = 0   # paired fp32 instructions (FADD2/FMUL2/FFMA2, sm_100+) in the hot loop
+    unflushed_fp32: list[str] = field(default_factory=list)  # fp32 math without .FTZ (FLUSHING_FP32_OPCODES)
     calls: int = 0
     hot_loops: int = 0
     # the walk (None when no launch was given)
@@ -369,6 +370,8 @@ def analyze_function(fn: sass.SassFunction, functions: dict[str, sass.SassFuncti
     code.all_accesses = Counter(i.name for i in fn.global_accesses)
     code.hot_loop_calls = len(fn.hot_loop_calls)
     code.hot_loop_paired = sum(1 for i in fn.in_loops(fn.hot_loops) if i.opcode.split(".")[0] in PAIRED_FP32_OPCODES)
+    code.unflushed_fp32 = [f"{i.address:#06x} {i.text}" for i in fn.instructions
+                           if i.opcode in FLUSHING_FP32_OPCODES and "FTZ" not in i.modifiers]
     code.calls = len(fn.calls)
     code.hot_loops = len(fn.hot_loops)
     if launch is None:
@@ -466,6 +469,9 @@ def hot_loop_call_problems(code: KernelCode) -> list[str]:
 
 #: sm_100's paired fp32 instructions: two lanes each (PTX add/sub/mul/fma .f32x2).
 PAIRED_FP32_OPCODES = frozenset({"FADD2", "FMUL2", "FFMA2"})
+#: fp32 math that carries .FTZ in SASS when the module is built with ``-ftz=true``, as CuPy
+#: builds every module (``sources.compile_options``): one without it is code that never runs.
+FLUSHING_FP32_OPCODES = frozenset({"FADD", "FMUL", "FFMA", "FSETP", *PAIRED_FP32_OPCODES})
 PAIRED_FP32_ARCHS = frozenset({"sm_100"})
 
 
@@ -482,6 +488,16 @@ def paired_math_problems(code: KernelCode) -> list[str]:
     if not code.hot_loop_paired:
         return ["no paired fp32 instruction (FADD2/FMUL2/FFMA2) in the hot loop"]
     return []
+
+
+def denormal_flush_problems(code: KernelCode) -> list[str]:
+    """The module was built as CuPy builds it at run time, flushing fp32
+    denormals: every fp32 add, multiply, FMA and compare carries .FTZ."""
+    if not code.unflushed_fp32:
+        return []
+    more = len(code.unflushed_fp32) - 3
+    return [f"{len(code.unflushed_fp32)} fp32 instructions without .FTZ (built without -ftz=true?): "
+            + "; ".join(code.unflushed_fp32[:3]) + (f"; ... {more} more" if more > 0 else "")]
 
 
 def ratio_problems(code: KernelCode, goal: Goal) -> list[str]:
@@ -666,11 +682,14 @@ def summarize(codes: list[KernelCode]) -> str:
                   and pairs_expected(c.variant, c.dtype, c.arch)]
     unpaired = [c for c in paired_due if paired_math_problems(c)]
     failed_walks = [c for c in codes if c.walk_error]
+    flushing_due = [c for c in codes if c.dtype != torch.float64]  # float64 math is double, which -ftz leaves
+    unflushed = [c for c in flushing_due if denormal_flush_problems(c)]
     lines = [f"{len(codes)} kernels: {len(local)} use local memory; {len(widths)} break the access-width rule "
              f"(16 B in vector instances, no 1-2 B per lane in the 8-bit kernels' hot loop); "
              f"{len(calls)} CALL a subroutine in the hot loop; {len(over)} of {len(goals)} default-launch "
              f"kernels exceed their issue/memory goal; {len(unpaired)} of {len(paired_due)} sm_100 kernels with "
-             f"paired math issue no paired fp32 instruction in the hot loop"
+             f"paired math issue no paired fp32 instruction in the hot loop; {len(unflushed)} of "
+             f"{len(flushing_due)} kernels not in float64 have fp32 math without .FTZ (not built as CuPy builds)"
              + (f"; {len(failed_walks)} not walked" if failed_walks else "")]
     return "\n".join(lines)
 
