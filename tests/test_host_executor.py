@@ -7,6 +7,7 @@ kernel; those launches run in a subprocess with a timeout, so a regression
 fails instead of hanging CI."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -405,6 +406,49 @@ def test_misuse_ends_with_an_error_naming_the_kernel(misuse_errors, kernel, reas
     assert message is not None, f"{kernel} ran without an error"
     assert message.startswith(f"host execution of kernel {kernel!r} failed: "), message
     assert re.search(reason, message), message
+
+
+HEADER_SOURCE = r"""
+#include <cuda_fp16.h>
+extern "C" __global__ void halve(const __half* x, float* out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = 0.5f * __half2float(x[i]);
+}
+"""
+
+
+def test_the_library_cache_is_keyed_by_the_headers_contents_not_their_path(tmp_path, monkeypatch):
+    """A second install of the same CUDA headers (another venv: CI's floor
+    run) reuses a built library; an edited header builds a new one, which
+    reads the edit."""
+    from swiglu_cupy.kernels.cuda_headers import cuda_include_dirs
+
+    real = cuda_include_dirs()
+    copies = []
+    for name in ("a", "b"):
+        copy = tmp_path / name / "include"
+        shutil.copytree(real[0], copy, ignore=shutil.ignore_patterns("cccl", "cooperative_groups*", "thrust", "cub"))
+        copies.append(copy)
+    monkeypatch.setenv("SWIGLU_CUPY_HOST_CACHE", str(tmp_path / "cache"))
+    builds = []
+    real_run = subprocess.run
+    monkeypatch.setattr(host_exec.subprocess, "run", lambda cmd, **kw: (
+        builds.append(cmd) if "-shared" in cmd else None) or real_run(cmd, **kw))
+    libs = []
+    for copy in (*copies, copies[1]):
+        monkeypatch.setattr(host_exec, "cuda_include_dirs", lambda copy=copy: [copy])
+        libs.append(build_host_library(HEADER_SOURCE, ["halve"], label="header_key"))
+    assert len(builds) == 1 and libs[0].path == libs[1].path == libs[2].path  # built once, at a
+    assert f"-I{copies[0]}" in builds[0]
+    (copies[1] / "cuda_fp16.hpp").write_text((copies[1] / "cuda_fp16.hpp").read_text()
+                                             + "\n#define SWIGLU_EDITED_HEADER 1\n")
+    host_exec.included_headers_digest.cache_clear()  # a process sees its headers as they were: a new one
+    edited = build_host_library(HEADER_SOURCE, ["halve"], label="header_key")
+    assert len(builds) == 2 and edited.path != libs[0].path and f"-I{copies[1]}" in builds[1]
+    x = torch.tensor([1.0, -3.0, 0.25], dtype=torch.float16)
+    out = torch.empty(3)
+    edited.launch("halve", (1, 1, 1), (32, 1, 1), (x.data_ptr(), out.data_ptr(), np.int64(3)))
+    assert out.tolist() == [0.5, -1.5, 0.125]
 
 
 def test_auto_mode_keeps_the_sequential_path_for_kernels_that_never_cooperate():

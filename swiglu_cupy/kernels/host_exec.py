@@ -47,6 +47,7 @@ values of 8 bytes at most; 256 KiB of stack per fiber.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import re
@@ -794,6 +795,36 @@ def _kernel_argument(a: object):
     raise TypeError(f"kernel arguments must be ints, numpy-typed scalars, tensors or arrays, got {type(a).__name__}")
 
 
+_ANGLE_INCLUDE = re.compile(r"^[ \t]*#[ \t]*include[ \t]*<([^>]+)>", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=64)
+def included_headers_digest(names: tuple[str, ...], include_dirs: tuple[Path, ...]) -> str:
+    """A digest of the headers under ``include_dirs`` that ``#include <name>``
+    of ``names`` reads (g++ lists them, transitive ones included): each one's
+    path relative to its dir and its contents. The same headers installed
+    elsewhere give the same digest; an edited or updated header another."""
+    if not names:
+        return ""
+    probe = "".join(f"#include <{n}>\n" for n in sorted(set(names)))
+    proc = subprocess.run([compiler(), "-x", "c++", "-std=c++17", "-M", *(f"-I{d}" for d in include_dirs), "-"],
+                          input=probe, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"listing the CUDA headers for the host build failed:\n{proc.stderr}")
+    roots = [Path(d).resolve() for d in include_dirs]
+    found = set()
+    for token in proc.stdout.replace("\\\n", " ").split()[1:]:  # after "-.o:"
+        path = Path(token).resolve()
+        for root in roots:
+            if path.is_relative_to(root):
+                found.add((str(path.relative_to(root)), path))
+                break
+    digest = hashlib.sha256()
+    for relative, path in sorted(found):
+        digest.update(relative.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def build_host_library(source: str, kernels: Sequence[str], *, options: Sequence[str] = (),
                        mode: str = "auto", label: str = "kernels") -> HostLibrary:
     """Build CUDA ``source`` as host C++ with launch entries for ``kernels``
@@ -806,9 +837,12 @@ def build_host_library(source: str, kernels: Sequence[str], *, options: Sequence
         raise RuntimeError(missing_header_hint("cuda_fp16.h"))
     header, text = _host_text(source, mode)
     text += "\n" + _LAUNCHER_TEMPLATE + "\n" + "".join(_WRAPPER_TEMPLATE.format(name=k) for k in kernels)
-    flags = ["-x", "c++", "-std=c++17", HOST_OPT_LEVEL, "-fPIC", "-shared", "-w", *options,
-             *(f"-I{d}" for d in includes)]
-    digest = hashlib.sha256("\0".join([header, text, compiler(), *flags]).encode()).hexdigest()[:20]
+    flags = ["-x", "c++", "-std=c++17", HOST_OPT_LEVEL, "-fPIC", "-shared", "-w", *options]
+    # Keyed by the CUDA headers' contents, not the include dirs' paths: a second venv holding
+    # the same headers (CI's floor run) reuses the library instead of building it again.
+    headers = included_headers_digest(tuple(_ANGLE_INCLUDE.findall(header + text)), tuple(includes))
+    digest = hashlib.sha256("\0".join([header, text, compiler(), *flags, headers]).encode()).hexdigest()[:20]
+    flags += [f"-I{d}" for d in includes]
     out = _cache_dir() / f"swiglu_{label}_{digest}.so"
     if not out.is_file():
         work = Path(tempfile.mkdtemp(prefix="swiglu_host_", dir=_cache_dir()))
