@@ -419,8 +419,8 @@ extern "C" __global__ void halve(const __half* x, float* out, long long n) {
 
 def test_the_library_cache_is_keyed_by_the_headers_contents_not_their_path(tmp_path, monkeypatch):
     """A second install of the same CUDA headers (another venv: CI's floor
-    run) reuses a built library; an edited header builds a new one, which
-    reads the edit."""
+    run) reuses a built library; an edited header builds a new one (which
+    runs)."""
     from swiglu_cupy.kernels.cuda_headers import cuda_include_dirs
 
     real = cuda_include_dirs()

@@ -173,6 +173,7 @@ def test_the_compile_check_builds_what_the_loader_builds(monkeypatch, dtype):
         assert list(check_options) == [*options, "--gpu-architecture=sm_90", "-Xptxas=-v"]
         assert "-ftz=true" in options  # what CuPy's RawModule adds to every compile, and runs
 
+
 def test_missing_cupy_falls_back_with_one_warning_naming_the_fix(monkeypatch):
     def no_cupy():
         raise _launch.CudaUnavailableError("no module named cupy")

@@ -803,7 +803,9 @@ def included_headers_digest(names: tuple[str, ...], include_dirs: tuple[Path, ..
     """A digest of the headers under ``include_dirs`` that ``#include <name>``
     of ``names`` reads (g++ lists them, transitive ones included): each one's
     path relative to its dir and its contents. The same headers installed
-    elsewhere give the same digest; an edited or updated header another."""
+    elsewhere give the same digest; an edited or updated header another.
+    Read once per process (cached): a header edited while it runs is seen
+    by the next process."""
     if not names:
         return ""
     probe = "".join(f"#include <{n}>\n" for n in sorted(set(names)))

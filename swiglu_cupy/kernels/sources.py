@@ -235,8 +235,8 @@ def compile_options(dtype: torch.dtype) -> tuple[str, ...]:
     the loader's (``launch.CupyLauncher``) and ``compile_check``'s, whose
     cubins the machine-code checks read. ``-ftz=true`` (fp32 denormals
     flushed) is what CuPy's RawModule adds to every compile; stated here, the
-    checks read the code that runs (without it, 21 of sm_90's 24 float32
-    kernels compile to other instructions). CuPy's copy of it is then a
+    checks read the code that runs (without it, 21 of SwiGLU's 24 float32
+    kernels for sm_90 compile to other instructions). CuPy's copy of it is then a
     duplicate, which NVRTC compiles to the same cubin."""
     return ("--std=c++17", "-ftz=true", f"-DSWIGLU_MAX_THREADS_PER_BLOCK={MAX_THREADS_PER_BLOCK}",
             f"-DSWIGLU_FP8_SAVED_X12={int(builds_fp8_kernels(dtype))}", f"-DSWIGLU_FP8_LANE_PACKS={FP8_LANE_PACKS}",
